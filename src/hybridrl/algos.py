@@ -1,0 +1,385 @@
+"""RL math for LLM post-training: advantages, losses, KL penalties, KL controllers.
+
+Everything here is pure tensor math on one process: tensors in, tensors out,
+deterministic, dtype-preserving (float32 and float64). Conventions follow verl's
+``core_algos``: masks are [B, T] (float or bool) over right-padded responses,
+per-sequence scores are [B]. This module must never call torch.distributed:
+callers reduce across ranks themselves, so the same code serves the driver,
+workers and tests.
+"""
+
+from typing import Callable, Dict, Hashable, Optional, Sequence, Tuple, Union
+
+import torch
+
+Tensor = torch.Tensor
+GroupIndex = Union[Sequence[Hashable], Tensor]
+
+WHITEN_EPS = 1e-8
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def _mask_like(mask: Tensor, like: Tensor) -> Tensor:
+    # Bool and float masks both become weights in the data's dtype/device.
+    return mask.to(dtype=like.dtype, device=like.device)
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    """Sum of x*mask; masked entries never leak NaN/inf from x."""
+    m = _mask_like(mask, x)
+    prod = torch.where(m != 0, x * m, torch.zeros_like(x))
+    return prod.sum() if dim is None else prod.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    """Mean of x over mask; an empty mask gives 0 (not NaN)."""
+    m = _mask_like(mask, x)
+    total = m.sum() if dim is None else m.sum(dim=dim)
+    # Exact division where there is data; empty slices divide 0 by 1.
+    return masked_sum(x, m, dim) / torch.where(total != 0, total, torch.ones_like(total))
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of x over the whole mask (Bessel-corrected when unbiased)."""
+    m = _mask_like(mask, x)
+    n = m.sum()
+    if n.item() == 0:
+        raise ValueError("masked_var: the mask selects no element")
+    var = masked_mean((x - masked_mean(x, m)) ** 2, m)
+    # A single element has no spread; skip Bessel instead of producing 0/0.
+    if unbiased and n.item() > 1:
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the mask; keeps the mean if not shift_mean."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask, unbiased=True) + WHITEN_EPS)
+    return whitened if shift_mean else whitened + mean
+
+
+# ----------------------------------------------------------------------------- advantage estimators
+
+
+def compute_gae_advantages(token_rewards: Tensor, values: Tensor, response_mask: Tensor,
+                           gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
+    """GAE (Schulman et al.) per token; returns (whitened advantages * mask, returns)."""
+    m = _mask_like(response_mask, values)
+    B, T = values.shape
+    next_value = values.new_zeros(B)
+    last_gae = values.new_zeros(B)
+    reversed_adv = []
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        # Masked tokens (padding, tool output) are skipped: the recursion carries
+        # the state of the next valid token straight through them.
+        next_value = torch.where(m[:, t] != 0, values[:, t], next_value)
+        last_gae = torch.where(m[:, t] != 0, gae_t, last_gae)
+        reversed_adv.append(last_gae)
+    advantages = torch.stack(reversed_adv[::-1], dim=1)
+    returns = advantages + values  # value targets use the raw advantages
+    return masked_whiten(advantages, m) * m, returns
+
+
+def _group_ids(group_index: GroupIndex, batch: int, device) -> Tuple[Tensor, Tensor, Tensor]:
+    """Map per-row ids to (one-hot [G, B] bool, group sizes [G], group of each row [B])."""
+    if isinstance(group_index, Tensor):
+        _, inverse = torch.unique(group_index.reshape(-1), return_inverse=True)
+        inverse = inverse.to(device)
+    else:
+        seen: Dict[Hashable, int] = {}
+        inverse = torch.tensor([seen.setdefault(g, len(seen)) for g in group_index],
+                               dtype=torch.long, device=device)
+    if inverse.numel() != batch:
+        raise ValueError(f"group_index has {inverse.numel()} entries, expected {batch}")
+    groups = int(inverse.max().item()) + 1 if batch else 0
+    # One-hot reductions (rather than index_add atomics) keep GPU results deterministic.
+    onehot = torch.arange(groups, device=device)[:, None] == inverse[None, :]
+    return onehot, onehot.sum(dim=1), inverse
+
+
+def _group_mean_std(scores: Tensor, group_index: GroupIndex) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-row group mean, unbiased std and group size; singletons get mean 0, std 1."""
+    onehot, sizes, row_group = _group_ids(group_index, scores.shape[0], scores.device)
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    n = sizes.to(scores.dtype)
+    mean_g = torch.where(onehot, scores[None, :], zero).sum(dim=1) / n
+    dev = scores - mean_g[row_group]
+    var_g = torch.where(onehot, dev[None, :] ** 2, zero).sum(dim=1) / (n - 1).clamp(min=1)
+    single = sizes == 1
+    mean_g = torch.where(single, zero, mean_g)
+    std_g = torch.where(single, torch.ones_like(var_g), var_g.sqrt())
+    return mean_g[row_group], std_g[row_group], n[row_group]
+
+
+def compute_grpo_advantages(scores: Tensor, response_mask: Tensor, group_index: GroupIndex,
+                            eps: float = 1e-6, norm_by_std: bool = True) -> Tuple[Tensor, Tensor]:
+    """GRPO: outcome score relative to its group (optionally / group std), on every token."""
+    mean, std, _ = _group_mean_std(scores, group_index)
+    adv = (scores - mean) / (std + eps) if norm_by_std else scores - mean
+    adv = adv[:, None] * _mask_like(response_mask, scores)
+    return adv, adv
+
+
+def compute_rloo_advantages(scores: Tensor, response_mask: Tensor,
+                            group_index: GroupIndex) -> Tuple[Tensor, Tensor]:
+    """RLOO: score minus the mean of the other samples of its group."""
+    mean, _, n = _group_mean_std(scores, group_index)
+    # s - mean_{-i} == (s - mean) * n / (n - 1); a singleton has no baseline.
+    scale = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.ones_like(n))
+    adv = torch.where(n > 1, (scores - mean) * scale, scores)
+    adv = adv[:, None] * _mask_like(response_mask, scores)
+    return adv, adv
+
+
+def compute_reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor,
+                                    gamma: float) -> Tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted return-to-go, whitened over the batch."""
+    m = _mask_like(response_mask, token_rewards)
+    returns = torch.zeros_like(token_rewards)
+    running = token_rewards.new_zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        # Like verl: a masked token stores its value but does not pass it on.
+        running = running * m[:, t]
+    return masked_whiten(returns, m) * m, returns
+
+
+def compute_reinforce_pp_baseline_advantages(scores: Tensor, response_mask: Tensor,
+                                             group_index: GroupIndex) -> Tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline: group-mean baseline, then whitening over the batch mask."""
+    m = _mask_like(response_mask, scores)
+    mean, _, _ = _group_mean_std(scores, group_index)
+    adv = (scores - mean)[:, None] * m
+    adv = masked_whiten(adv, m) * m
+    return adv, adv
+
+
+def compute_remax_advantages(token_rewards: Tensor, baseline_scores: Tensor,
+                             response_mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """ReMax: undiscounted return-to-go minus the greedy rollout's score."""
+    m = _mask_like(response_mask, token_rewards)
+    returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
+    advantages = returns - baseline_scores.to(token_rewards.dtype)[:, None] * m
+    return advantages, returns
+
+
+ADV_ESTIMATORS: Dict[str, Callable] = {
+    "gae": compute_gae_advantages,
+    "grpo": compute_grpo_advantages,
+    "rloo": compute_rloo_advantages,
+    "reinforce_plus_plus": compute_reinforce_pp_advantages,
+    "reinforce_plus_plus_baseline": compute_reinforce_pp_baseline_advantages,
+    "remax": compute_remax_advantages,
+}
+
+
+def get_adv_estimator(name: str) -> Callable:
+    """Look up an advantage estimator by its config name."""
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name]
+
+
+def compute_advantages(name: str, *, token_rewards: Optional[Tensor] = None, scores: Optional[Tensor] = None,
+                       values: Optional[Tensor] = None, response_mask: Tensor,
+                       group_index: Optional[GroupIndex] = None, gamma: float = 1.0, lam: float = 1.0,
+                       norm_by_std: bool = True, baseline_scores: Optional[Tensor] = None
+                       ) -> Tuple[Tensor, Tensor]:
+    """Uniform entry point: pass everything you have, the estimator takes what it needs.
+
+    scores default to token_rewards.sum(-1) (outcome reward of each sequence).
+    """
+    get_adv_estimator(name)  # validate the name first
+    if scores is None and token_rewards is not None:
+        scores = (token_rewards * _mask_like(response_mask, token_rewards)).sum(-1)
+
+    def need(**kw):
+        missing = [k for k, v in kw.items() if v is None]
+        if missing:
+            raise ValueError(f"advantage estimator {name!r} needs {', '.join(missing)}")
+
+    if name == "gae":
+        need(token_rewards=token_rewards, values=values)
+        return compute_gae_advantages(token_rewards, values, response_mask, gamma, lam)
+    if name == "reinforce_plus_plus":
+        need(token_rewards=token_rewards)
+        return compute_reinforce_pp_advantages(token_rewards, response_mask, gamma)
+    if name == "remax":
+        need(token_rewards=token_rewards, baseline_scores=baseline_scores)
+        return compute_remax_advantages(token_rewards, baseline_scores, response_mask)
+    need(scores=scores, group_index=group_index)
+    if name == "grpo":
+        return compute_grpo_advantages(scores, response_mask, group_index, norm_by_std=norm_by_std)
+    return ADV_ESTIMATORS[name](scores, response_mask, group_index)
+
+
+def token_rewards_from_scores(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """[B] scores -> [B, T] rewards with each score on its row's last valid token."""
+    valid = _mask_like(response_mask, scores) != 0
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    # Last nonzero column (== length - 1 for right padding); empty rows get nothing.
+    last = torch.where(valid, pos, torch.zeros_like(pos)).argmax(dim=1)
+    out = torch.zeros(valid.shape, dtype=scores.dtype, device=scores.device)
+    out[torch.arange(valid.shape[0], device=valid.device), last] = scores * valid.any(dim=1)
+    return out
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """Reduce a [B, T] token loss to a scalar.
+
+    Fully masked rows contribute 0 but still count in the row mean of the
+    seq-mean-* modes, so the result is linear in rows (micro-batches add up) and
+    never NaN. token-mean over an all-masked batch is 0.
+    """
+    m = _mask_like(mask, loss_mat)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, m)
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, m, dim=-1).mean()
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, m, dim=-1).mean()
+    if mode == "seq-mean-token-sum-norm":
+        # Dr. GRPO: a constant normaliser (max length) instead of the token count.
+        return masked_sum(loss_mat, m) / m.shape[-1]
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
+                agg_mode: str = "token-mean", rollout_log_prob: Optional[Tensor] = None,
+                rollout_is_threshold: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Dual-clip PPO surrogate (clip-higher capable) with optional truncated IS.
+
+    The IS weight min(pi_old / pi_rollout, threshold) corrects the mismatch between
+    the inference engine and the trainer; it applies only when both the rollout
+    log-probs and the threshold are given.
+    """
+    if clip_c <= 1.0:
+        raise ValueError(f"clip_c must be > 1, got {clip_c}")
+    m = _mask_like(response_mask, log_prob)
+    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)  # exp stays finite
+    ratio = torch.exp(log_ratio)
+    losses1 = -advantages * ratio
+    losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clip1 = torch.maximum(losses1, losses2)
+    # Dual clip: with A < 0 a huge ratio would give an unbounded loss; cap it at -A*c.
+    losses3 = -advantages * clip_c
+    clip2 = torch.minimum(losses3, clip1)
+    negative = advantages < 0
+    losses = torch.where(negative, clip2, clip1)
+    if rollout_is_threshold is not None:
+        if rollout_log_prob is None:
+            raise ValueError("rollout_is_threshold is set but rollout_log_prob is None")
+        if rollout_is_threshold <= 0:
+            raise ValueError(f"rollout_is_threshold must be > 0, got {rollout_is_threshold}")
+        weights = torch.exp(old_log_prob - rollout_log_prob).clamp(max=rollout_is_threshold)
+        losses = losses * weights.detach()
+    stats = {
+        "pg_clipfrac": masked_mean((losses2 > losses1).to(m.dtype), m),
+        "ppo_kl": masked_mean(-log_ratio, m),
+        "pg_clipfrac_lower": masked_mean(((clip1 > losses3) & negative).to(m.dtype), m),
+    }
+    return agg_loss(losses, m, agg_mode), {k: v.detach() for k, v in stats.items()}
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
+               clip: float = 0.5, agg_mode: str = "token-mean") -> Tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5*max((v-R)^2, (v_clip-R)^2); returns (loss, clipfrac)."""
+    m = _mask_like(response_mask, values)
+    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    losses1 = (values - returns) ** 2
+    losses2 = (v_clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), m, agg_mode)
+    return loss, masked_mean((losses2 > losses1).to(m.dtype), m).detach()
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp - E_p[logit]."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def entropy_loss(entropy: Tensor, mask: Tensor, agg_mode: str = "token-mean") -> Tensor:
+    """Aggregated token entropy (the caller subtracts coeff * this from the loss)."""
+    return agg_loss(entropy, mask, agg_mode)
+
+
+# ----------------------------------------------------------------------------- KL
+
+
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled log-probs (Schulman's k1/k2/k3)."""
+    diff = log_prob - ref_log_prob
+    if kind in ("kl", "k1"):
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * diff.square()
+    if kind in ("low_var_kl", "k3"):
+        # k3 = r - log r - 1 with r = pi_ref/pi: unbiased, >= 0, low variance.
+        kl = torch.clamp(-diff, -20.0, 20.0)
+        return torch.clamp(torch.exp(kl) - kl - 1.0, -10.0, 10.0)
+    raise ValueError(f"unknown kl penalty {kind!r}; valid: {', '.join(KL_KINDS)}")
+
+
+def apply_kl_penalty(token_level_scores: Tensor, log_prob: Tensor, ref_log_prob: Tensor,
+                     response_mask: Tensor, kl_coef: float, kind: str) -> Tuple[Tensor, Tensor]:
+    """KL-in-reward: rewards = scores - coef * kl; also the batch mean of per-row mean KL.
+
+    A fully masked row has mean KL 0 and still counts in the batch mean.
+    """
+    m = _mask_like(response_mask, token_level_scores)
+    kl = kl_penalty(log_prob, ref_log_prob, kind).to(token_level_scores.dtype) * m
+    rewards = token_level_scores - kl_coef * kl
+    current_kl = masked_mean(kl, m, dim=-1).mean()
+    return rewards, current_kl.detach()
+
+
+class FixedKLController:
+    """Constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): steer the coefficient so the observed KL tracks target_kl."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = horizon
+
+    def update(self, current_kl, n_steps: int) -> None:
+        # Error is clipped to +-20% so one noisy batch cannot swing the coefficient.
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(kind: str, kl_coef: float, target_kl: Optional[float] = None,
+                       horizon: Optional[int] = None):
+    """Build the KL controller named by algorithm.kl_ctrl.type ("fixed" or "adaptive")."""
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        if target_kl is None or horizon is None:
+            raise ValueError("adaptive KL controller needs target_kl and horizon")
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"unknown kl controller {kind!r}; valid: fixed, adaptive")

@@ -1,0 +1,115 @@
+"""Load a Config from YAML plus dotted overrides, turning OmegaConf errors into ConfigErrors.
+
+OmegaConf stops here: callers get a frozen `hybridrl.config.Config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Iterable, List
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from hybridrl.config import Config, ConfigError
+
+
+def all_keys(cls=Config, prefix: str = "") -> List[str]:
+    """Every dotted leaf and section key of the config tree."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        keys.append(name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys.extend(all_keys(type(default), name + "."))
+    return keys
+
+
+def nearest_key(key: str) -> str:
+    """The valid key a typo most likely meant: same leaf name first, else the closest spelling."""
+    keys = all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    candidates = same_leaf or keys
+    return difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)[0]
+
+
+def field_type(key: str) -> str:
+    """The declared type of a dotted key, as written in config.py."""
+    cls, ftype = Config, "?"
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return ftype
+        ftype = fields[part].type
+        default = fields[part].default_factory() if fields[part].default_factory is not dataclasses.MISSING else None
+        cls = type(default) if dataclasses.is_dataclass(default) else None
+    return str(ftype)
+
+
+def _unknown_key_error(full_key: str) -> ConfigError:
+    return ConfigError(f"unknown config key '{full_key}'; did you mean '{nearest_key(full_key)}'?")
+
+
+def _type_error(err: ValidationError) -> ConfigError:
+    key = err.full_key or "?"
+    msg = str(err).splitlines()[0]
+    return ConfigError(f"config key '{key}' expects {field_type(key)}: {msg}")
+
+
+def _parse_overrides(overrides: Iterable[str]):
+    dotlist = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. actor.optim.lr=1e-6)")
+        dotlist.append(item)
+    return dotlist
+
+
+def _check_keys(node, schema_keys, prefix=""):
+    """Reject keys the schema does not know, naming the nearest valid one."""
+    for key in node:
+        full = prefix + str(key)
+        value = node[key]
+        if full not in schema_keys:
+            while OmegaConf.is_dict(value) and len(value) == 1:  # name the whole dotted path
+                sub = next(iter(value))
+                full, value = f"{full}.{sub}", value[sub]
+            raise _unknown_key_error(full)
+        if OmegaConf.is_dict(value):
+            _check_keys(value, schema_keys, full + ".")
+
+
+def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
+    """YAML file (optional) + `key=value` overrides → validated frozen Config."""
+    schema = OmegaConf.structured(Config)
+    keys = set(all_keys())
+    layers = []
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist; pass --config configs/tiny_cpu.yaml")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as err:  # yaml errors come in several types
+            raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
+    try:
+        layers.append(OmegaConf.from_dotlist(_parse_overrides(overrides)))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"could not parse overrides: {err}") from None
+    for layer in layers:
+        _check_keys(layer, keys)
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+        return OmegaConf.to_object(merged)
+    except ConfigKeyError as err:
+        raise _unknown_key_error(err.full_key or str(err.key)) from None
+    except ValidationError as err:
+        raise _type_error(err) from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid config: {err}") from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

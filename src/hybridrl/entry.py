@@ -1,0 +1,46 @@
+"""Command line of scripts/train_ppo.py: arguments, config loading, clean failure messages.
+
+A ConfigError (or any hybridrl user error) ends the process with one message and exit code 2,
+never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybridrl.config import ConfigError
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="train_ppo.py", description="PPO/GRPO post-training on megatron-core")
+    p.add_argument("--config", default="configs/tiny_cpu.yaml", help="YAML config file")
+    p.add_argument("--dry-run", action="store_true", help="run the whole flow once without updating, then stop")
+    p.add_argument("--profile", action="store_true", help="print tokens/s per stage for every step")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from hybridrl.config_io import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from hybridrl import trainer
+
+        return trainer.run(cfg, dry_run=args.dry_run, profile=args.profile) or 0
+    except (ConfigError, *user_errors()) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def user_errors() -> tuple:
+    """Exception types that carry a message for the user rather than a bug report."""
+    errors = []
+    for module, name in (("hybridrl.data", "DataError"), ("hybridrl.models.hf_convert", "ConversionError"),
+                         ("hybridrl.trainer", "TrainingError")):
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)

@@ -1,0 +1,106 @@
+"""Cross-section config rules and the sizes derived from them, computed once.
+
+`derive_layout(cfg, world_size)` is the one place that checks tp·pp·dp = world, head and layer
+divisibility, and batch divisibility; it returns a read-only `Layout` instead of mutating config.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from hybridrl.config import Config, ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_size: int
+    vocab_size: int
+
+
+def model_dims(model: ModelConfig, vocab_size: int = 0) -> ModelDims:
+    """Sizes of the model from its config.json (model.path) or from the config fields."""
+    if not model.path:
+        return ModelDims(model.num_layers, model.num_attention_heads, model.num_key_value_heads,
+                         model.hidden_size, model.vocab_size or vocab_size)
+    cfg_path = os.path.join(model.path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"model.path='{model.path}' has no config.json; point it at an HF model folder")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    return ModelDims(hf["num_hidden_layers"], heads, hf.get("num_key_value_heads", heads),
+                     hf["hidden_size"], hf["vocab_size"])
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    rollout_tp: int
+    samples_per_step: int
+    """train_batch_size * rollout.n: responses per training step, over all DP ranks."""
+    samples_per_step_per_dp: int
+    actor_mini_batch_samples: int
+    """Samples per actor optimizer step over all DP ranks."""
+    critic_mini_batch_samples: int
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} rollout_tp={self.rollout_tp} "
+                f"samples/step={self.samples_per_step} ({self.samples_per_step_per_dp} per DP rank)")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_mini_batches(role: str, mini: int, micro: int, cfg: Config, dp: int) -> int:
+    train_bs, n = cfg.data.train_batch_size, cfg.rollout.n
+    _require(train_bs % mini == 0,
+             f"data.train_batch_size={train_bs} is not divisible by {role}.ppo_mini_batch_size={mini}; "
+             f"make the mini batch a divisor of the train batch")
+    samples = mini * n
+    _require(samples % (dp * micro) == 0,
+             f"{role}.ppo_mini_batch_size * rollout.n = {samples} is not divisible by "
+             f"dp ({dp}) * {role}.ppo_micro_batch_size_per_gpu ({micro}); change the micro batch or the mini batch")
+    return samples
+
+
+def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0) -> Layout:
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by tp ({tp}) * pp ({pp}); "
+             f"launch a multiple of {tp * pp} processes or change parallel.*_model_parallel_size")
+    dp = world_size // (tp * pp)
+    dims = model_dims(cfg.model, vocab_size)
+    _require(dims.num_attention_heads % tp == 0,
+             f"num_attention_heads={dims.num_attention_heads} is not divisible by "
+             f"parallel.tensor_model_parallel_size={tp}; pick a TP that divides the heads")
+    _require(dims.num_key_value_heads % tp == 0,
+             f"num_key_value_heads (query groups)={dims.num_key_value_heads} is not divisible by "
+             f"parallel.tensor_model_parallel_size={tp}; pick a TP that divides the KV heads")
+    _require(dims.num_layers % pp == 0,
+             f"num_layers={dims.num_layers} is not divisible by parallel.pipeline_model_parallel_size={pp}; "
+             f"pick a PP that divides the layers")
+    rtp = cfg.rollout.tensor_model_parallel_size
+    _require(world_size % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
+             f"rollout.tensor_model_parallel_size={rtp} must divide the world size ({world_size}) "
+             f"and the attention/KV heads ({dims.num_attention_heads}/{dims.num_key_value_heads})")
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    _require(samples % dp == 0,
+             f"data.train_batch_size * rollout.n = {samples} is not divisible by dp={dp}; "
+             f"make the batch a multiple of the data-parallel size")
+    actor_mb = _check_mini_batches("actor", cfg.actor.ppo_mini_batch_size,
+                                   cfg.actor.ppo_micro_batch_size_per_gpu, cfg, dp)
+    critic_mb = actor_mb
+    if cfg.algorithm.uses_critic:
+        critic_mb = _check_mini_batches("critic", cfg.critic.ppo_mini_batch_size,
+                                        cfg.critic.ppo_micro_batch_size_per_gpu, cfg, dp)
+    return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb)

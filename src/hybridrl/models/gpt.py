@@ -1,0 +1,87 @@
+"""Build a megatron-core GPTModel (Qwen2/Llama shape) for this rank's TP/PP slice.
+
+`GPTSpec` holds the architecture in HF vocabulary; `build_gpt` turns it into a
+`TransformerConfig` + local layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias).
+The model knows nothing about RL; parallelism comes from megatron-core's parallel_state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    """Vocabulary of the tokenizer/HF checkpoint (unpadded)."""
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    head_dim: int = 0
+    """0: hidden_size // num_attention_heads."""
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int, multiple: int = 128) -> int:
+        """Megatron pads the vocab to a multiple of 128 x TP; padding rows are masked out of logits."""
+        step = multiple * tp
+        return ((self.vocab_size + step - 1) // step) * step
+
+
+def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = DTYPES[dtype]
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
+        ffn_hidden_size=spec.intermediate_size, kv_channels=spec.kv_channels,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype is torch.bfloat16, fp16=params_dtype is torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True,
+        # Fused kernels need CUDA (and apex/TE); the local spec uses plain torch ops.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, init_method_std=0.02,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", **config_overrides):
+    """The GPTModel chunk of pipeline stage `pp_rank` (embedding on the first, head on the last)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, tp, pp, dtype, **config_overrides)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.padded_vocab_size(tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+    )
+    if not torch.cuda.is_available():
+        return model
+    return model.cuda()

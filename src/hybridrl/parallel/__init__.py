@@ -1,0 +1,1 @@
+"""torch.distributed and megatron-core process groups, and the CPU compatibility patches."""

@@ -1,0 +1,98 @@
+"""Let megatron-core 0.16.1 run forward, backward and its pipeline schedules on CPU (gloo).
+
+`apply()` installs narrow patches, each for one CUDA touch point seen in megatron-core, and does
+nothing when CUDA is available. It must not change numerics: every patch only moves work that
+megatron-core places on "cuda" onto the CPU.
+
+Patches (verified against megatron-core 0.16.1, torch 2.13.0 CPU):
+1. `torch.cuda.current_device()` (RoPE inv_freq, DDP buffers and ~170 other call sites) returns
+   the CPU device instead of raising.
+2. `transformer.utils.get_default_causal_mask` / `get_sliding_window_causal_mask` build their masks
+   with a literal device="cuda"; rebuilt on CPU (also where `fused_softmax` imported them).
+3. The CUDA RNG tracker (`model_parallel_cuda_manual_seed`, `get_cuda_rng_tracker().fork()`) reads
+   and writes CUDA generator state; routed to the CPU default generator, so a forked state still
+   drives CPU random ops (dropout) and TP ranks keep distinct streams.
+4. Explicit `device="cuda"` tensors in the pipeline schedules (`total_num_tokens`), the grad scaler
+   and DDP's warm-up tensor, plus `torch.cuda.synchronize()` after p2p ops: a TorchFunctionMode that
+   maps "cuda" devices to CPU, entered once for the process, and a no-op synchronize.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites an explicit CUDA device argument (keyword `device`, or a `.to("cuda")`) to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and (_is_cuda_device(kwargs["device"]) or isinstance(kwargs["device"], int)):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_mask(sq, skv, window_size):
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+class _DropForkWarning(logging.Filter):
+    # With the CUDA tracker aliased to the CPU generator, "CPU RNG state changed within GPU RNG
+    # context" is the expected behaviour, not a bug.
+    def filter(self, record):
+        return "CPU RNG state changed" not in record.getMessage()
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
+
+
+def _patch_masks() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    for module in (tutils, fused_softmax):
+        module.get_default_causal_mask = _cpu_causal_mask
+        module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+
+
+def apply() -> bool:
+    """Install the CPU patches once; returns True when they are active (no CUDA)."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+    _patch_masks()
+    _patch_rng()
+    CudaToCpuMode().__enter__()  # process-wide: megatron-core has literal device="cuda" tensors
+    _APPLIED = True
+    return True

@@ -1,0 +1,117 @@
+"""Start torch.distributed and megatron-core's parallel_state from torchrun or SLURM variables.
+
+gloo when CUDA is absent, nccl otherwise. This is the only module that creates process groups;
+the groups are handed to the rest of the code in a `ParallelGroups` object.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.parallel import cpu_compat
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First hostname of a SLURM nodelist such as 'gpu[012-015,020],cpu1' (no scontrol needed)."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        return nodelist
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def launch_env(environ=None) -> LaunchEnv:
+    """Rank layout from torchrun (RANK, WORLD_SIZE, ...) or srun (SLURM_PROCID, ...), else single process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                         addr, int(env.get("MASTER_PORT", 29500)))
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+
+
+def init_distributed(timeout_s: int = 600) -> LaunchEnv:
+    """Initialise the default process group (idempotent) and the CPU patches when there is no CUDA."""
+    le = launch_env()
+    cpu_compat.apply()
+    if dist.is_initialized():
+        return le
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(le.local_rank)
+    dist.init_process_group(backend, init_method=f"tcp://{le.master_addr}:{le.master_port}",
+                            rank=le.rank, world_size=le.world_size, timeout=timedelta(seconds=timeout_s))
+    return le
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups and ranks a role needs, passed explicitly instead of read from globals."""
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    mp_group: object  # tp x pp: one model replica
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def init_model_parallel(tp: int, pp: int, seed: int = 1234) -> ParallelGroups:
+    """megatron-core parallel_state with TP and PP (DP derived), seeded RNG tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_groups()
+
+
+def current_groups() -> ParallelGroups:
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group())
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,83 @@
+"""Run a test body in N gloo processes and surface the failing rank's traceback.
+
+`run_distributed(fn, world_size, *args)` spawns `world_size` processes, each with torchrun-style
+environment variables, initialises torch.distributed (gloo) and hybridrl's CPU patches, calls
+`fn(*args)` and returns the list of per-rank return values. `fn` must be a module-level function.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    try:
+        import torch
+        torch.set_num_threads(1)
+        from hybridrl.parallel import distributed
+
+        distributed.init_distributed(timeout_s=120)
+        out = fn(*args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything, including SystemExit from the body
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            from hybridrl.parallel import distributed
+
+            distributed.destroy()
+        except Exception:
+            pass
+
+
+_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "transformers", "hybridrl.parallel.distributed"]
+
+
+def _context():
+    # A fork server that imported torch and megatron-core once makes each launch a cheap fork of a
+    # process that never ran a parallel region (forking the pytest process itself is not safe).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs, errors, timed_out = {}, {}, False
+    try:
+        for _ in range(world_size):
+            rank, status, payload = results.get(timeout=timeout)
+            (outputs if status == "ok" else errors)[rank] = payload
+            if errors:
+                break
+    except queue.Empty:
+        timed_out = True
+        missing = sorted(set(range(world_size)) - set(outputs))
+        raise AssertionError(f"distributed test timed out after {timeout:.0f}s; ranks {missing} did not finish")
+    finally:
+        for p in procs:
+            p.join(timeout=1 if (errors or timed_out) else 10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    return [outputs[r] for r in range(world_size)]

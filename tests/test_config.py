@@ -1,0 +1,157 @@
+"""Config loading, overrides and every validation message."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridrl.config import ConfigError
+from hybridrl.config_io import all_keys, load_config, nearest_key
+from hybridrl.layout import derive_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+
+
+def _error(overrides, path=""):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_yaml_and_overrides_are_typed_and_frozen():
+    cfg = load_config(TINY, ["actor.optim.lr=1e-6", "rollout.n=8", "trainer.logger=[console]"])
+    assert cfg.actor.optim.lr == 1e-6 and cfg.rollout.n == 8 and cfg.trainer.logger == ["console"]
+    assert cfg.model.hidden_size == 64  # from the YAML
+    with pytest.raises(Exception):
+        cfg.rollout.n = 2
+
+
+def test_every_key_has_a_doc():
+    import ast
+    import inspect
+
+    from hybridrl import config
+
+    tree = ast.parse(inspect.getsource(config))
+    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")]:
+        if cls.name == "Config":
+            continue
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    f"{cls.name}.{node.target.id} has no docstring"
+
+
+@pytest.mark.parametrize("override,bad,nearest", [
+    ("actor.optim.lrr=1", "actor.optim.lrr", "actor.optim.lr"),
+    ("lr=1", "lr", "actor.optim.lr"),
+    ("rollout.temprature=0.5", "rollout.temprature", "rollout.temperature"),
+    ("trainer.save_frq=3", "trainer.save_frq", "trainer.save_freq"),
+])
+def test_unknown_key_names_nearest(override, bad, nearest):
+    msg = _error([override])
+    assert f"'{bad}'" in msg and f"'{nearest}'" in msg
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor:\n  ppo_epoch: 2\n")
+    msg = _error([], str(path))
+    assert "'actor.ppo_epoch'" in msg and "'actor.ppo_epochs'" in msg
+
+
+def test_nested_unknown_section_names_full_path():
+    msg = _error(["foo.bar=1"])
+    assert "'foo.bar'" in msg and "did you mean" in msg
+    assert nearest_key("foo.bar") in all_keys()
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("actor.optim.lr=abc", "actor.optim.lr", "float"),
+    ("rollout.n=many", "rollout.n", "int"),
+    ("data.shuffle=maybe", "data.shuffle", "bool"),
+])
+def test_wrong_type_names_key_and_type(override, key, expected):
+    msg = _error([override])
+    assert f"'{key}'" in msg and f"expects {expected}" in msg
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("actor.clip_ratio_c=0.9", "actor.clip_ratio_c must be > 1"),
+    ("rollout.name=sglang", "rollout.name='sglang' is not one of native, vllm"),
+    ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator='ppo2'"),
+    ("data.truncation=middle", "data.truncation='middle'"),
+    ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+])
+def test_section_rules(override, fragment):
+    assert fragment in _error([override])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    assert "does not exist" in _error([], str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: [unclosed\n")
+    assert "not valid YAML" in _error([], str(bad))
+    assert "not of the form key=value" in _error(["actor.optim.lr"])
+
+
+def _layout_error(overrides, world):
+    with pytest.raises(ConfigError) as info:
+        derive_layout(load_config(TINY, overrides), world)
+    return str(info.value)
+
+
+def test_world_size_must_be_tp_pp_dp():
+    msg = _layout_error(["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"], 6)
+    assert "world size 6 is not divisible by tp (2) * pp (2)" in msg
+
+
+def test_heads_and_groups_divisible_by_tp():
+    msg = _layout_error(["parallel.tensor_model_parallel_size=4", "model.num_key_value_heads=2"], 4)
+    assert "num_key_value_heads (query groups)=2 is not divisible by parallel.tensor_model_parallel_size=4" in msg
+    msg = _layout_error(["parallel.tensor_model_parallel_size=3", "model.num_attention_heads=4",
+                         "model.num_key_value_heads=1"], 3)
+    assert "num_attention_heads=4 is not divisible" in msg
+
+
+def test_layers_divisible_by_pp():
+    msg = _layout_error(["parallel.pipeline_model_parallel_size=3", "model.num_layers=2"], 3)
+    assert "num_layers=2 is not divisible by parallel.pipeline_model_parallel_size=3" in msg
+
+
+def test_heads_read_from_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 4,
+         "hidden_size": 96, "vocab_size": 100}))
+    msg = _layout_error([f"model.path={tmp_path}", "parallel.tensor_model_parallel_size=2"], 2)
+    assert "num_key_value_heads (query groups)=3" in msg
+
+
+def test_batch_divisible_by_dp_and_micro():
+    msg = _layout_error(["data.train_batch_size=3", "rollout.n=1", "actor.ppo_mini_batch_size=3"], 2)
+    assert "data.train_batch_size * rollout.n = 3 is not divisible by dp=2" in msg
+    msg = _layout_error(["data.train_batch_size=16", "actor.ppo_mini_batch_size=5"], 1)
+    assert "not divisible by actor.ppo_mini_batch_size=5" in msg
+    msg = _layout_error(["actor.ppo_mini_batch_size=4", "rollout.n=3", "actor.ppo_micro_batch_size_per_gpu=8"], 1)
+    assert "actor.ppo_mini_batch_size * rollout.n = 12 is not divisible by dp (1) * " \
+           "actor.ppo_micro_batch_size_per_gpu (8)" in msg
+    msg = _layout_error(["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=48"], 1)
+    assert "critic.ppo_micro_batch_size_per_gpu (48)" in msg
+
+
+def test_valid_layout_derives_sizes():
+    layout = derive_layout(load_config(TINY, ["parallel.tensor_model_parallel_size=2"]), 4)
+    assert (layout.tp, layout.pp, layout.dp) == (2, 1, 2)
+    assert layout.samples_per_step == 16 * 4 and layout.samples_per_step_per_dp == 32
+
+
+def test_cli_bad_key_is_one_clean_message():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY,
+                           "foo.bar=1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0
+    assert "'foo.bar'" in proc.stderr and "did you mean" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
