@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -62,16 +63,23 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     for p in procs:
         p.start()
     outputs, errors, timed_out = {}, {}, False
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = results.get(timeout=timeout)
-            (outputs if status == "ok" else errors)[rank] = payload
-            if errors:
-                break
-    except queue.Empty:
-        timed_out = True
-        missing = sorted(set(range(world_size)) - set(outputs))
-        raise AssertionError(f"distributed test timed out after {timeout:.0f}s; ranks {missing} did not finish")
+        while len(outputs) < world_size and not errors:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+                (outputs if status == "ok" else errors)[rank] = payload
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+            if dead:  # a rank died without reporting (segfault, OOM kill, failed start)
+                errors[dead[0]] = f"process exited with code {procs[dead[0]].exitcode} before reporting"
+            elif time.monotonic() > deadline:
+                timed_out = True
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise AssertionError(f"distributed test timed out after {timeout:.0f}s; "
+                                     f"ranks {missing} did not finish")
     finally:
         for p in procs:
             p.join(timeout=1 if (errors or timed_out) else 10)

@@ -107,6 +107,12 @@ class ParallelConfig:
     """PP of actor, critic and reference; data parallel size is derived from the world size."""
     use_distributed_optimizer: bool = False
     """Shard optimizer states over DP (megatron-core's distributed optimizer)."""
+    gpus_per_node: int = 8
+    """Accelerators per node (layout planner and SLURM scripts)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one accelerator; the layout planner refuses plans that do not fit."""
+    recompute_activations: bool = False
+    """Full activation recomputation in the actor/critic backward (saves memory, costs a forward)."""
 
     def __post_init__(self):
         _check(self.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size must be >= 1")

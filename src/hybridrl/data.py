@@ -1,0 +1,291 @@
+"""Prompt data: parquet files in verl's layout -> tokenized, left-padded, DP-sharded batches.
+
+A row holds `data_source` (str), the prompt column (`data.prompt_key`: chat messages
+[{role, content}] or a plain string, which becomes one user message), `ability`,
+`reward_model` {style, ground_truth} and `extra_info` (dict). `PromptDataset` validates and
+tokenizes every row once (chat template, then `max_prompt_length` filtering or truncation);
+`PromptLoader` shuffles per epoch (seed + epoch), gives each DP rank a disjoint equal slice of
+every global batch, and can resume mid-epoch from `state_dict()`. Malformed input raises one
+`DataError` naming file, row and column and the fix. This module knows nothing about models,
+rewards or torch.distributed: the caller passes dp_rank/dp_size.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from hybridrl.config import DataConfig
+from hybridrl.tokenizer import Tokenizer
+
+logger = logging.getLogger("hybridrl.data")
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+_LAYOUT_FIX = ("write rows as {data_source, prompt: [{role, content}], ability, "
+               "reward_model: {style, ground_truth}, extra_info} (see scripts/prepare_gsm8k.py)")
+
+
+class DataError(ValueError):
+    """Malformed prompt data; the message names file, row and column and the fix."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One tokenized prompt; `index` is its row in `file`."""
+    input_ids: List[int]
+    raw_prompt: str
+    data_source: str
+    ground_truth: Any
+    extra_info: Dict[str, Any]
+    file: str
+    index: int
+
+
+@dataclass
+class PromptBatch:
+    """Prompts of one DP rank: tensors [B, P] left-padded, the rest as python lists."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    data_source: List[str]
+    ground_truth: List[Any]
+    extra_info: List[Dict[str, Any]]
+    raw_prompt: List[str]
+    index: List[int]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int,
+             length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, length] with the pads on the left; length = longest if None."""
+    length = max((len(s) for s in seqs), default=0) if length is None else length
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s) > length:
+            raise ValueError(f"sequence {i} has {len(s)} tokens, more than length={length}")
+        if len(s):
+            ids[i, length - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, length - len(s):] = 1
+    return ids, mask
+
+
+def collate(rows: Sequence[PromptRow], pad_id: int, length: Optional[int] = None) -> PromptBatch:
+    ids, mask = left_pad([r.input_ids for r in rows], pad_id, length)
+    return PromptBatch(ids, mask, [r.data_source for r in rows], [r.ground_truth for r in rows],
+                       [r.extra_info for r in rows], [r.raw_prompt for r in rows],
+                       [r.index for r in rows])
+
+
+def read_parquet_records(path: str, prompt_key: str) -> List[Dict[str, Any]]:
+    """Rows of one parquet file as dicts, after checking the file and its columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not os.path.isfile(path):
+        raise DataError(f"data file '{path}' does not exist; fix data.train_files/data.val_files or "
+                        "create it (scripts/prepare_gsm8k.py, scripts/make_synthetic_data.py)")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"data file '{path}' is not a parquet file ({e}); convert it to parquet, "
+                        f"e.g. pyarrow.parquet.write_table, and {_LAYOUT_FIX}") from e
+    for column in (prompt_key,) + REQUIRED_COLUMNS:
+        if column not in table.column_names:
+            hint = " (or set data.prompt_key)" if column == prompt_key else ""
+            raise DataError(f"data file '{path}' has no column '{column}'{hint}; it has "
+                            f"{table.column_names}; {_LAYOUT_FIX}")
+    return table.to_pylist()
+
+
+def _messages(value: Any, where: str) -> List[Dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(f"{where}: must be a plain string or a non-empty list of "
+                        f"{{role, content}} messages, got {type(value).__name__} {value!r:.80}")
+    for j, m in enumerate(value):
+        for key in ("role", "content"):
+            if not isinstance(m, dict) or not isinstance(m.get(key), str):
+                raise DataError(f"{where}: message {j} has no string '{key}' ({m!r:.80}); each "
+                                "message must be {'role': 'user', 'content': '...'}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def parse_record(record: Dict[str, Any], path: str, row: int, prompt_key: str):
+    """(messages, data_source, ground_truth, extra_info) of one row, or a DataError naming it."""
+    where = f"data file '{path}' row {row} column '{{}}'"
+    messages = _messages(record[prompt_key], where.format(prompt_key))
+    data_source = record["data_source"]
+    if not isinstance(data_source, str) or not data_source:
+        raise DataError(f"{where.format('data_source')}: must be a non-empty string (it picks the "
+                        f"reward function), got {data_source!r:.80}")
+    reward_model = record["reward_model"]
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise DataError(f"{where.format('reward_model')}: needs a 'ground_truth', got "
+                        f"{reward_model!r:.80}; write reward_model={{'style': 'rule', "
+                        "'ground_truth': '...'}")
+    extra_info = record.get("extra_info")
+    if extra_info is None:
+        extra_info = {}
+    if not isinstance(extra_info, dict):
+        raise DataError(f"{where.format('extra_info')}: must be a dict (or missing), got "
+                        f"{type(extra_info).__name__}")
+    return messages, data_source, reward_model["ground_truth"], extra_info
+
+
+def _fit_length(ids: List[int], cfg: DataConfig, where: str) -> Optional[List[int]]:
+    """The ids within max_prompt_length, or None when the prompt is filtered out."""
+    limit = cfg.max_prompt_length
+    if len(ids) <= limit:
+        return ids
+    if cfg.filter_overlong_prompts:
+        return None
+    if cfg.truncation == "left":
+        return ids[-limit:]
+    if cfg.truncation == "right":
+        return ids[:limit]
+    raise DataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit}; raise "
+                    "data.max_prompt_length, set data.filter_overlong_prompts=true, or set "
+                    "data.truncation=left/right")
+
+
+class PromptDataset:
+    """All rows of the given parquet files, validated and tokenized once."""
+
+    def __init__(self, files: Sequence[str] | str, tokenizer: Tokenizer, cfg: DataConfig):
+        self.files = [files] if isinstance(files, str) else list(files)
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.rows: List[PromptRow] = []
+        self.num_filtered = 0
+        for path in self.files:
+            self._add_file(path)
+        if self.num_filtered:
+            logger.warning("%s: filtered %d of %d prompts longer than data.max_prompt_length=%d",
+                           self.files, self.num_filtered, self.num_filtered + len(self.rows),
+                           cfg.max_prompt_length)
+        if not self.rows:
+            raise DataError(f"no prompts left in {self.files} (filtered {self.num_filtered} longer "
+                            f"than data.max_prompt_length={cfg.max_prompt_length}); add rows or "
+                            "raise data.max_prompt_length")
+
+    def _add_file(self, path: str) -> None:
+        records = read_parquet_records(path, self.cfg.prompt_key)
+        for i, record in enumerate(records):
+            messages, data_source, ground_truth, extra_info = parse_record(
+                record, path, i, self.cfg.prompt_key)
+            text = self.tokenizer.apply_chat_template(messages)
+            where = f"data file '{path}' row {i} column '{self.cfg.prompt_key}'"
+            ids = _fit_length(self.tokenizer.encode(text), self.cfg, where)
+            if ids is None:
+                self.num_filtered += 1
+                continue
+            self.rows.append(PromptRow(ids, text, data_source, ground_truth, extra_info, path, i))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> PromptRow:
+        return self.rows[i]
+
+
+def shard_bounds(n: int, dp_rank: int, dp_size: int) -> Tuple[int, int]:
+    """[start, end) of rank dp_rank's contiguous slice of n items (sizes differ by at most one)."""
+    base, extra = divmod(n, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return start, start + base + (1 if dp_rank < extra else 0)
+
+
+class PromptLoader:
+    """Global batches of `batch_size` prompts, each DP rank yielding its own slice.
+
+    Every rank computes the same per-epoch order (seed + epoch), so slices are disjoint without
+    communication. All ranks pad to the longest prompt of the global batch, so shapes do not
+    depend on dp_size. Iterating yields the rest of the current epoch, then moves to the next.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 shuffle: bool = True, seed: int = 1, drop_last: bool = True):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if drop_last and batch_size % dp_size:
+            raise DataError(f"batch size {batch_size} is not divisible by the data parallel size "
+                            f"{dp_size}; make data.train_batch_size a multiple of {dp_size}")
+        if drop_last and len(dataset) < batch_size:
+            raise DataError(f"{dataset.files} has {len(dataset)} prompts, fewer than one batch of "
+                            f"{batch_size}; lower data.train_batch_size or add prompts")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch, self.batch_index = 0, 0
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def epoch_order(self, epoch: int) -> List[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def global_batch(self, epoch: int, batch_index: int) -> List[int]:
+        """Dataset positions of one global batch (all DP ranks together)."""
+        b = self.batch_size
+        return self.epoch_order(epoch)[batch_index * b:(batch_index + 1) * b]
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        epoch, order = self.epoch, self.epoch_order(self.epoch)
+        pad_id, b = self.dataset.tokenizer.pad_token_id, self.batch_size
+        for k in range(self.batch_index, len(self)):
+            positions = order[k * b:(k + 1) * b]
+            rows = [self.dataset[i] for i in positions]
+            start, end = shard_bounds(len(rows), self.dp_rank, self.dp_size)
+            length = max(len(r.input_ids) for r in rows)
+            # Advance before yielding: a state_dict taken after this batch resumes at the next one.
+            self.epoch, self.batch_index = (epoch + 1, 0) if k + 1 == len(self) else (epoch, k + 1)
+            yield collate(rows[start:end], pad_id, length)
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
+                "batch_size": self.batch_size, "num_prompts": len(self.dataset)}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        for key, mine in (("batch_size", self.batch_size), ("num_prompts", len(self.dataset)),
+                          ("seed", self.seed)):
+            if key in state and int(state[key]) != mine:
+                raise DataError(f"cannot resume the data loader: checkpoint has {key}={state[key]}, "
+                                f"this run has {mine}; resume with the same data and data.* settings")
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+        if self.batch_index >= len(self):  # saved after an epoch's last batch
+            self.epoch, self.batch_index = self.epoch + 1, 0
+
+
+def make_train_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0,
+                      dp_size: int = 1) -> PromptLoader:
+    dataset = PromptDataset(cfg.train_files, tokenizer, cfg)
+    return PromptLoader(dataset, cfg.train_batch_size, dp_rank, dp_size, cfg.shuffle, cfg.seed, True)
+
+
+def make_val_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0,
+                    dp_size: int = 1) -> PromptLoader:
+    """Every validation prompt once, in file order; the last batch may be short (or empty on a rank)."""
+    dataset = PromptDataset(cfg.val_files, tokenizer, cfg)
+    return PromptLoader(dataset, cfg.val_batch_size, dp_rank, dp_size, False, cfg.seed, False)
+
+
+def write_prompt_parquet(rows: Sequence[Dict[str, Any]], path: str) -> str:
+    """Write rows in the layout above; atomic (tmp file + rename) so concurrent writers are safe."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,63 @@
+"""Synthetic prompt sets for the CPU demo, written in the same parquet layout as real data.
+
+`arith`: single-digit addition. The user content is "3+4=" and the ground truth "7"
+(data_source "synthetic/arith", scored by `hybridrl.rewards.arith`). With builtin:tiny the prompt
+is exactly those four characters, so a tiny random-init model can learn the task with RL alone.
+`ensure_synthetic_data(cfg)` generates missing train/val files when `data.synthetic_task` is set.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, List, Tuple
+
+from hybridrl.config import DataConfig
+from hybridrl.data import write_prompt_parquet
+
+ARITH_SOURCE = "synthetic/arith"
+SYNTHETIC_TASKS = ("arith",)
+
+
+def arith_rows(n: int, seed: int, split: str, max_operand: int = 9) -> List[Dict[str, Any]]:
+    """n addition prompts a+b= with operands in [0, max_operand], drawn with a seeded RNG."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({
+            "data_source": ARITH_SOURCE,
+            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "ability": "arith",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b},
+        })
+    return rows
+
+
+def write_synthetic_arith(folder: str, n_train: int = 2000, n_test: int = 100, seed: int = 0,
+                          max_operand: int = 9) -> Tuple[str, str]:
+    """Write folder/train.parquet and folder/test.parquet; returns their paths."""
+    train = write_prompt_parquet(arith_rows(n_train, seed, "train", max_operand),
+                                 os.path.join(folder, "train.parquet"))
+    test = write_prompt_parquet(arith_rows(n_test, seed + 1, "test", max_operand),
+                                os.path.join(folder, "test.parquet"))
+    return train, test
+
+
+def ensure_synthetic_data(cfg: DataConfig, n_train: int = 2000, n_test: int = 100) -> List[str]:
+    """Generate the missing data.train_files/val_files when data.synthetic_task is set.
+
+    Returns the files written (none when all exist or the task is empty). Deterministic and
+    written atomically, so every rank may call it; the entry point calling it once is cheaper.
+    """
+    missing = [(p, "train") for p in cfg.train_files if not os.path.exists(p)]
+    missing += [(p, "test") for p in cfg.val_files if not os.path.exists(p)]
+    if not missing or not cfg.synthetic_task:
+        return []
+    if cfg.synthetic_task not in SYNTHETIC_TASKS:
+        raise ValueError(f"data.synthetic_task={cfg.synthetic_task!r} is not one of "
+                         f"{', '.join(SYNTHETIC_TASKS)} (or empty to disable generation)")
+    for path, split in missing:
+        n, seed = (n_train, cfg.seed) if split == "train" else (n_test, cfg.seed + 1)
+        write_prompt_parquet(arith_rows(n, seed, split), path)
+    return [p for p, _ in missing]

@@ -1,0 +1,110 @@
+"""Metrics: stage timers, batch statistics with verl's names, and one writer for console + TensorBoard.
+
+Metrics are a flat dict of namespaced floats (`actor/pg_loss`, `timing_s/gen`); only rank 0 writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+from typing import Dict, Iterable
+
+import torch
+
+
+class StageTimer:
+    """`with timer("gen"):` accumulates wall time into `timing_s/gen` for the current step."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def metrics(self) -> Dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def _stats(prefix: str, x: torch.Tensor) -> Dict[str, float]:
+    x = x.float()
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
+
+
+def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> Dict[str, float]:
+    valid = x[mask.bool()].float()
+    if valid.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return _stats(prefix, valid)
+
+
+def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max_response_length,
+                  prompt_mask=None, values=None) -> Dict[str, float]:
+    """verl's data metrics: critic/score, rewards, advantages, returns, values, response_length."""
+    lengths = response_mask.sum(-1).float()
+    out = {}
+    out.update(_stats("critic/score", scores))
+    out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)))
+    out.update(_masked_stats("critic/advantages", advantages, response_mask))
+    out.update(_masked_stats("critic/returns", returns, response_mask))
+    if values is not None:
+        out.update(_masked_stats("critic/values", values, response_mask))
+    out.update(_stats("response_length", lengths))
+    out["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
+    if prompt_mask is not None:
+        out.update(_stats("prompt_length", prompt_mask.sum(-1).float()))
+    return out
+
+
+def throughput_metrics(timings: Dict[str, float], num_tokens: int, world_size: int) -> Dict[str, float]:
+    step = timings.get("timing_s/step", 0.0)
+    return {"perf/total_num_tokens": float(num_tokens),
+            "perf/throughput": num_tokens / step / world_size if step > 0 else 0.0}
+
+
+def mean_of(dicts: Iterable[Dict[str, float]]) -> Dict[str, float]:
+    """Average the per-micro-batch metric dicts of an update."""
+    sums, counts = defaultdict(float), defaultdict(int)
+    for d in dicts:
+        for k, v in d.items():
+            sums[k] += float(v)
+            counts[k] += 1
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+class MetricsWriter:
+    """Console lines and TensorBoard scalars; a no-op on ranks other than 0."""
+
+    def __init__(self, sinks, log_dir: str, enabled: bool):
+        self.enabled = enabled
+        self.console = enabled and "console" in sinks
+        self.tb = None
+        self.log_dir = log_dir
+        if enabled and "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.tb = SummaryWriter(log_dir=log_dir)
+
+    def log(self, metrics: Dict[str, float], step: int, console_keys=None) -> None:
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.console:
+            keys = console_keys or sorted(metrics)
+            print(f"step:{step} - " + " - ".join(f"{k}:{metrics[k]:.4g}" for k in keys if k in metrics), flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

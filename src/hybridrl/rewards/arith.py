@@ -1,0 +1,36 @@
+"""Reward of the synthetic addition task ("3+4=" -> "7"), shaped so a random policy can climb it.
+
+The response arrives decoded, special tokens (eos) removed, so "stopped early" shows as "short".
+With s = response.strip():
+    +0.1  s starts with a digit
+    +0.2  s is only a number, at most MAX_NUMBER_CHARS long ("short and numeric")
+    +0.7  the leading number of s equals the ground truth
+So "7" scores 1.0, "7xyz" 0.8, "5" 0.3, "5xyz" 0.1, "x7" 0.0. A uniformly random policy over the
+54-token builtin:tiny vocabulary scores about 0.03 (it starts with a digit 10/54 of the time and
+rarely stops); a policy that has learned "one or two digits, then eos" scores >= 0.3 before it
+learns any addition. Pure function: no I/O, no state.
+"""
+from __future__ import annotations
+
+import re
+
+STARTS_WITH_DIGIT = 0.1
+SHORT_NUMBER = 0.2
+CORRECT = 0.7
+MAX_NUMBER_CHARS = 4
+_LEADING_NUMBER = re.compile(r"\d+")
+
+
+def compute_score(solution_str: str, ground_truth) -> float:
+    s = solution_str.strip()
+    m = _LEADING_NUMBER.match(s)
+    if m is None:
+        return 0.0
+    score = STARTS_WITH_DIGIT
+    if m.end() == len(s) and len(s) <= MAX_NUMBER_CHARS:
+        score += SHORT_NUMBER
+    try:
+        correct = int(m.group()) == int(str(ground_truth).strip())
+    except ValueError:  # a non-integer ground truth: compare as text
+        correct = m.group() == str(ground_truth).strip()
+    return round(score + CORRECT if correct else score, 6)  # 0.1 + 0.7 is 0.7999... in floats

@@ -1,0 +1,128 @@
+"""Which reward function scores which data_source, and the batch scorer the trainer calls.
+
+`get_reward_fn(data_source)` maps known data sources to the rule scorers in this package;
+`load_custom_reward(path, name)` loads a user's function from a .py file; `RewardManager(cfg)`
+scores a batch of decoded responses into a FloatTensor [B]. A user function is called verl-style,
+fn(data_source=, solution_str=, ground_truth=, extra_info=), and may return a float or a dict
+with "score" (its other numeric keys come back as extra metrics). Non-finite scores are errors.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math as _math
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hybridrl.config import RewardConfig
+from hybridrl.rewards import arith, gsm8k, math
+
+BUILTIN_REWARDS: Dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+    "synthetic/arith": "arith",
+}
+
+
+class RewardError(ValueError):
+    """A reward that cannot be computed; the message names the row or file and the fix."""
+
+
+def get_reward_fn(data_source: str, gsm8k_method: str = "strict") -> Callable[[str, Any], float]:
+    """The rule scorer fn(solution_str, ground_truth) -> float of a known data_source."""
+    kind = BUILTIN_REWARDS.get(data_source)
+    if kind == "gsm8k":
+        return functools.partial(gsm8k.compute_score, method=gsm8k_method)
+    if kind == "math":
+        return math.compute_score
+    if kind == "arith":
+        return arith.compute_score
+    raise RewardError(f"no built-in reward for data_source={data_source!r}; known: "
+                      f"{', '.join(BUILTIN_REWARDS)}. For other data, write a function "
+                      "fn(data_source, solution_str, ground_truth, extra_info) in a .py file and "
+                      "set reward.custom_function.path (and reward.custom_function.name)")
+
+
+def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
+    """The function `name` from the python file at `path` (imported by file path)."""
+    if not os.path.isfile(path):
+        raise RewardError(f"reward.custom_function.path='{path}' does not exist; point it at a .py "
+                          "file defining the reward function")
+    module_name = "hybridrl_custom_reward_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"reward.custom_function.path='{path}' cannot be imported; use a .py file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise RewardError(f"importing reward.custom_function.path='{path}' failed: "
+                          f"{type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise RewardError(f"'{path}' has no function '{name}' (it defines {found}); set "
+                          "reward.custom_function.name to one of them")
+    return fn
+
+
+class RewardManager:
+    """Scores decoded responses with the custom function when configured, else by data_source."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        custom = cfg.custom_function
+        self.custom_fn = load_custom_reward(custom.path, custom.name) if custom.path else None
+        self.fn_name = f"{custom.path}:{custom.name}" if custom.path else "built-in reward"
+
+    def _raw_score(self, response: str, data_source: str, ground_truth: Any, extra_info) -> Any:
+        if self.custom_fn is not None:
+            return self.custom_fn(data_source=data_source, solution_str=response,
+                                  ground_truth=ground_truth, extra_info=extra_info)
+        return get_reward_fn(data_source, self.cfg.gsm8k_method)(response, ground_truth)
+
+    def _check(self, value: Any, row: int, data_source: str) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not _math.isfinite(number):
+            raise RewardError(f"{self.fn_name} returned score={value!r} for row {row} "
+                              f"(data_source={data_source!r}); it must return a finite float or a "
+                              "dict with a finite 'score'")
+        return number
+
+    def score_batch(self, responses: Sequence[str], data_sources: Sequence[str],
+                    ground_truths: Sequence[Any], extra_infos: Optional[Sequence[dict]] = None
+                    ) -> Tuple[torch.Tensor, Dict[str, List[Any]]]:
+        """(scores [B], extra metrics {key: [B values or None]}) of one batch of responses."""
+        n = len(responses)
+        extra_infos = [{}] * n if extra_infos is None else list(extra_infos)
+        if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
+            raise RewardError(f"reward inputs differ in length: {n} responses, {len(data_sources)} "
+                              f"data_sources, {len(ground_truths)} ground_truths, "
+                              f"{len(extra_infos)} extra_infos")
+        scores, extra = [], {}
+        for i, (resp, src, truth, info) in enumerate(zip(responses, data_sources, ground_truths,
+                                                         extra_infos)):
+            value = self._raw_score(resp, src, truth, info)
+            if isinstance(value, dict):
+                if "score" not in value:
+                    raise RewardError(f"{self.fn_name} returned a dict without 'score' for row {i} "
+                                      f"(data_source={src!r}); add the key 'score'")
+                for key, v in value.items():
+                    if key != "score":  # passed through as metrics, unchecked (may be text)
+                        extra.setdefault(key, [None] * n)[i] = v
+                value = value["score"]
+            scores.append(self._check(value, i, src))
+        return torch.tensor(scores, dtype=torch.float32), extra
+
+    def __call__(self, responses: Sequence[str], data_sources: Sequence[str],
+                 ground_truths: Sequence[Any], extra_infos: Optional[Sequence[dict]] = None
+                 ) -> torch.Tensor:
+        return self.score_batch(responses, data_sources, ground_truths, extra_infos)[0]

@@ -1,0 +1,169 @@
+"""One small tokenizer interface over HF tokenizer folders, SentencePiece models and `builtin:tiny`.
+
+`load_tokenizer(spec)` returns a `Tokenizer` with `encode`, `decode`, `apply_chat_template`,
+`pad_token_id`, `eos_token_id`, `vocab_size`; the rest of hybridrl uses only these. `builtin:tiny`
+is a character-level vocabulary (digits, arithmetic signs, lowercase letters, a little
+punctuation) built with the `tokenizers` library and wrapped as an HF fast tokenizer, so it takes
+the same code path as a real HF folder; `save_tiny_tokenizer(folder)` writes it out as one.
+This module never downloads anything: HF folders are loaded with local files only.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+TINY_SPEC = "builtin:tiny"
+TINY_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0, 1, 2, 3
+TINY_CHARS = "0123456789+-*/= abcdefghijklmnopqrstuvwxyz.,?!:()\n"
+# The tiny model sees the bare user text ("3+4="): the shortest prompt learns fastest.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
+_PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer spec that cannot be loaded; the message names the path and the fix."""
+
+
+def plain_chat_template(messages: Sequence[Dict[str, str]]) -> str:
+    """'User: ...\\nAssistant:' rendering for tokenizers that ship no chat template."""
+    lines = [f"{_PLAIN_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nAssistant:"
+
+
+class Tokenizer:
+    """The uniform interface; subclasses wrap one backend."""
+
+    name: str
+    pad_token_id: int
+    eos_token_id: int
+    vocab_size: int
+    has_chat_template: bool = False
+
+    def encode(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def batch_decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> List[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in batch]
+
+    def apply_chat_template(self, messages: Sequence[Dict[str, str]]) -> str:
+        return plain_chat_template(messages)
+
+
+class HFTokenizer(Tokenizer):
+    """An HF (fast) tokenizer; its own chat template is used when it has one."""
+
+    def __init__(self, hf, name: str):
+        self.hf, self.name = hf, name
+        if hf.eos_token_id is None:
+            raise TokenizerError(f"tokenizer '{name}' has no eos token; set \"eos_token\" in its "
+                                 "tokenizer_config.json")
+        self.eos_token_id = int(hf.eos_token_id)
+        # Like verl: a tokenizer without a pad token pads with eos (masked out anyway).
+        self.pad_token_id = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_token_id
+        self.vocab_size = len(hf)
+        self.has_chat_template = bool(getattr(hf, "chat_template", None))
+
+    def encode(self, text: str) -> List[int]:
+        # Chat templates already carry any bos text; adding special tokens would double it.
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Dict[str, str]]) -> str:
+        if not self.has_chat_template:
+            return plain_chat_template(messages)
+        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `.model` file; always the plain chat template."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        self.name = path
+        self.sp = spm.SentencePieceProcessor(model_file=path)
+        if self.sp.eos_id() < 0:
+            raise TokenizerError(f"SentencePiece model '{path}' has no eos piece; retrain it with "
+                                 "eos_id >= 0 (SentencePieceTrainer.train(..., eos_id=2))")
+        self.eos_token_id = int(self.sp.eos_id())
+        self.pad_token_id = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else self.eos_token_id
+        self.vocab_size = int(self.sp.get_piece_size())
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.sp.encode(text))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self.sp.decode(ids)  # SentencePiece drops control pieces itself
+        out, run = [], []
+        for i in ids:
+            if self.sp.is_control(i) or self.sp.is_unknown(i):
+                out += [self.sp.decode(run), self.sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out + [self.sp.decode(run)])
+
+
+def build_tiny_hf_tokenizer():
+    """The builtin:tiny vocabulary as a transformers fast tokenizer (no files, no download)."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + tuple(TINY_CHARS))}
+    raw = RawTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.normalizer = normalizers.Lowercase()  # "User" still tokenizes; decode gives "user"
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
+    raw.decoder = decoders.Fuse()  # join characters without spaces
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>",
+                                 bos_token="<bos>", unk_token="<unk>")
+    hf.chat_template = TINY_CHAT_TEMPLATE
+    return hf
+
+
+def save_tiny_tokenizer(folder: str) -> str:
+    """Write builtin:tiny as an HF tokenizer folder (tokenizer.json + config); returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    build_tiny_hf_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _load_hf_folder(folder: str) -> HFTokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # transformers raises many types here; one message for all
+        raise TokenizerError(f"could not load the HF tokenizer folder '{folder}': {e}. It needs "
+                             "tokenizer.json (+ tokenizer_config.json); fix data.tokenizer") from e
+    return HFTokenizer(hf, folder)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """An HF tokenizer folder, a SentencePiece `.model` file, or `builtin:tiny`."""
+    if spec == TINY_SPEC:
+        return HFTokenizer(build_tiny_hf_tokenizer(), TINY_SPEC)
+    if spec.startswith("builtin:"):
+        raise TokenizerError(f"data.tokenizer='{spec}' is not a known builtin; the only one is "
+                             f"'{TINY_SPEC}'")
+    if os.path.isdir(spec):
+        return _load_hf_folder(spec)
+    if os.path.isfile(spec):
+        if spec.endswith(".model"):
+            return SentencePieceTokenizer(spec)
+        if os.path.basename(spec) == "tokenizer.json":
+            return _load_hf_folder(os.path.dirname(spec) or ".")
+        raise TokenizerError(f"data.tokenizer='{spec}' is a file but not a SentencePiece .model; "
+                             "point it at an HF tokenizer folder, a .model file, or builtin:tiny")
+    raise TokenizerError(f"data.tokenizer='{spec}' does not exist; point it at an HF tokenizer "
+                         f"folder (with tokenizer.json), a SentencePiece .model file, or '{TINY_SPEC}'")

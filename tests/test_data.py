@@ -1,0 +1,234 @@
+"""Tests of hybridrl.data (+ data_synthetic): validation errors, length handling, shuffling,
+DP sharding and resumable loading. All data is written to tmp_path."""
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hybridrl.config import DataConfig
+from hybridrl.data import (DataError, PromptDataset, PromptLoader, left_pad, make_train_loader,
+                           make_val_loader)
+from hybridrl.data_synthetic import ensure_synthetic_data, write_synthetic_arith
+from hybridrl.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:tiny")
+
+
+def row(content, truth="1", i=0):
+    return {"data_source": "synthetic/arith", "prompt": [{"role": "user", "content": content}],
+            "ability": "arith", "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"index": i}}
+
+
+def write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def arith_file(tmp_path, n, name="train.parquet"):
+    # prompts of varying length so left padding is exercised
+    return write(tmp_path / name, [row(f"{i}+{i % 7}=", str(i + i % 7), i) for i in range(n)])
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8], []], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+    assert ids.dtype == mask.dtype == torch.long
+    assert left_pad([[1]], 9, length=3)[0].tolist() == [[9, 9, 1]]
+
+
+def test_dataset_rows_and_batch_fields(tmp_path, tok):
+    path = write(tmp_path / "d.parquet", [row("3+4=", "7", 0), row("12+1=", "13", 1)])
+    ds = PromptDataset(path, tok, DataConfig())
+    assert len(ds) == 2 and ds[0].input_ids == tok.encode("3+4=")
+    batch = next(iter(PromptLoader(ds, 2, shuffle=False)))
+    assert batch.input_ids.shape == (2, 5) and len(batch) == 2
+    assert batch.input_ids[0].tolist() == [tok.pad_token_id] + tok.encode("3+4=")
+    assert batch.attention_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.raw_prompt == ["3+4=", "12+1="] and batch.ground_truth == ["7", "13"]
+    assert batch.data_source == ["synthetic/arith"] * 2 and batch.index == [0, 1]
+    assert batch.extra_info == [{"index": 0}, {"index": 1}]
+
+
+def test_plain_string_prompt_and_prompt_key(tmp_path, tok):
+    rows = [{"data_source": "s", "question": "2+2=", "reward_model": {"ground_truth": "4"}}]
+    path = write(tmp_path / "q.parquet", rows)
+    ds = PromptDataset([path], tok, DataConfig(prompt_key="question"))
+    assert ds[0].raw_prompt == "2+2=" and ds[0].extra_info == {}
+
+
+def _error(tmp_path, tok, rows_or_path, **cfg):
+    path = rows_or_path if isinstance(rows_or_path, str) else write(tmp_path / "bad.parquet",
+                                                                   rows_or_path)
+    with pytest.raises(DataError) as e:
+        PromptDataset([path], tok, DataConfig(**cfg))
+    assert path in str(e.value)
+    return str(e.value)
+
+
+def test_missing_file_and_not_parquet(tmp_path, tok):
+    msg = _error(tmp_path, tok, str(tmp_path / "nope.parquet"))
+    assert "does not exist" in msg and "data.train_files" in msg
+    text = tmp_path / "text.parquet"
+    text.write_text("question,answer\n1,2\n")
+    assert "is not a parquet file" in _error(tmp_path, tok, str(text))
+
+
+@pytest.mark.parametrize("column", ["prompt", "data_source", "reward_model"])
+def test_missing_columns(tmp_path, tok, column):
+    rows = [{k: v for k, v in row("1+1=").items() if k != column}]
+    msg = _error(tmp_path, tok, rows)
+    assert f"no column '{column}'" in msg and "it has" in msg
+    if column == "prompt":
+        assert "data.prompt_key" in msg
+
+
+def test_wrong_types_in_rows(tmp_path, tok):
+    bad_prompt = [dict(row("x"), prompt=5)]
+    assert "row 0 column 'prompt'" in _error(tmp_path, tok, bad_prompt)
+    no_content = [row("1+1="), row("1+2="), dict(row("x"), prompt=[{"role": "user"}])]
+    msg = _error(tmp_path, tok, no_content)
+    assert "row 2 column 'prompt'" in msg and "'content'" in msg
+    no_truth = [row("1+1="), dict(row("x"), reward_model={"style": "rule", "ground_truth": None})]
+    msg = _error(tmp_path, tok, no_truth)
+    assert "row 1 column 'reward_model'" in msg and "ground_truth" in msg
+    bad_source = [dict(row("x"), data_source=3)]
+    assert "row 0 column 'data_source'" in _error(tmp_path, tok, bad_source)
+
+
+def test_overlong_prompts_are_filtered_counted_and_logged(tmp_path, tok, caplog):
+    rows = [row("1+1="), row("123456789+1="), row("2+2="), row("99999999+99999="), row("3+3=")]
+    path = write(tmp_path / "long.parquet", rows)
+    with caplog.at_level(logging.WARNING, logger="hybridrl.data"):
+        ds = PromptDataset(path, tok, DataConfig(max_prompt_length=6))
+    assert len(ds) == 3 and ds.num_filtered == 2
+    assert [r.index for r in ds.rows] == [0, 2, 4]
+    assert any("filtered 2 of 5" in r.getMessage() and r.name == "hybridrl.data"
+               for r in caplog.records)
+
+
+def test_empty_after_filtering(tmp_path, tok):
+    msg = _error(tmp_path, tok, [row("123456789+1=")], max_prompt_length=4)
+    assert "no prompts left" in msg and "data.max_prompt_length" in msg
+
+
+def test_truncation_left_right_error(tmp_path, tok):
+    path = write(tmp_path / "t.parquet", [row("1+1="), row("123456789=")])
+    cfg = dict(max_prompt_length=4, filter_overlong_prompts=False)
+    left = PromptDataset(path, tok, DataConfig(truncation="left", **cfg))
+    right = PromptDataset(path, tok, DataConfig(truncation="right", **cfg))
+    assert left[1].input_ids == tok.encode("789=") and right[1].input_ids == tok.encode("1234")
+    assert left[0].input_ids == right[0].input_ids == tok.encode("1+1=")
+    msg = _error(tmp_path, tok, path, truncation="error", **cfg)
+    assert "row 1 column 'prompt'" in msg and "10 tokens" in msg and "truncation" in msg
+
+
+def test_per_epoch_shuffle_is_deterministic(tmp_path, tok):
+    ds = PromptDataset(arith_file(tmp_path, 20), tok, DataConfig())
+    a, b = PromptLoader(ds, 4, seed=3), PromptLoader(ds, 4, seed=3)
+    assert a.epoch_order(0) == b.epoch_order(0) and a.epoch_order(1) == b.epoch_order(1)
+    assert a.epoch_order(0) != a.epoch_order(1)
+    assert sorted(a.epoch_order(1)) == list(range(20))
+    assert PromptLoader(ds, 4, seed=4).epoch_order(0) != a.epoch_order(0)
+    assert PromptLoader(ds, 4, shuffle=False).epoch_order(5) == list(range(20))
+    assert [x.index for x in a] == [x.index for x in b]
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_dp_sharding_is_disjoint_equal_and_covering(tmp_path, tok, dp_size):
+    ds = PromptDataset(arith_file(tmp_path, 30), tok, DataConfig())
+    reference = list(PromptLoader(ds, 8, seed=1))  # dp=1: 3 full batches, 6 prompts dropped
+    assert len(reference) == 3
+    shards = [list(PromptLoader(ds, 8, r, dp_size, seed=1)) for r in range(dp_size)]
+    for k, ref in enumerate(reference):
+        parts = [shards[r][k] for r in range(dp_size)]
+        assert all(len(p) == 8 // dp_size for p in parts)
+        assert [i for p in parts for i in p.index] == ref.index  # disjoint, in order, covering
+        assert all(p.input_ids.shape[1] == ref.input_ids.shape[1] for p in parts)
+        assert torch.equal(torch.cat([p.input_ids for p in parts]), ref.input_ids)
+
+
+def test_loader_size_errors(tmp_path, tok):
+    ds = PromptDataset(arith_file(tmp_path, 6), tok, DataConfig())
+    with pytest.raises(DataError, match="not divisible by the data parallel size 4"):
+        PromptLoader(ds, 6, 0, 4)
+    with pytest.raises(DataError, match="fewer than one batch of 8"):
+        PromptLoader(ds, 8)
+
+
+def _take(loader, n):
+    out = []
+    while len(out) < n:
+        for batch in loader:
+            out.append(batch.index)
+            if len(out) == n:
+                break
+    return out
+
+
+@pytest.mark.parametrize("stop", [2, 5, 7])  # mid-epoch, at an epoch boundary, in epoch 2
+def test_resume_equals_uninterrupted(tmp_path, tok, stop):
+    ds = PromptDataset(arith_file(tmp_path, 22), tok, DataConfig())  # 5 batches of 4 per epoch
+    uninterrupted = _take(PromptLoader(ds, 4, 1, 2, seed=7), 12)
+    first = PromptLoader(ds, 4, 1, 2, seed=7)
+    head = _take(first, stop)
+    state = first.state_dict()
+    resumed = PromptLoader(ds, 4, 1, 2, seed=7)
+    resumed.load_state_dict(state)
+    assert head + _take(resumed, 12 - stop) == uninterrupted
+    assert state["epoch"] == stop // 5 and state["batch_index"] == stop % 5
+
+
+def test_resume_with_other_batch_size_fails(tmp_path, tok):
+    ds = PromptDataset(arith_file(tmp_path, 22), tok, DataConfig())
+    state = PromptLoader(ds, 4).state_dict()
+    with pytest.raises(DataError, match="batch_size=4"):
+        PromptLoader(ds, 2).load_state_dict(state)
+
+
+def test_val_loader_keeps_the_last_short_batch(tmp_path, tok):
+    train, test = write_synthetic_arith(str(tmp_path / "arith"), n_train=40, n_test=10, seed=0)
+    cfg = DataConfig(train_files=[train], val_files=[test], train_batch_size=16, val_batch_size=4)
+    batches = [make_val_loader(cfg, tok, r, 2) for r in range(2)]
+    sizes = [[len(b) for b in loader] for loader in batches]
+    assert sizes == [[2, 2, 1], [2, 2, 1]]
+    assert len(make_train_loader(cfg, tok, 0, 2)) == 2
+
+
+def test_synthetic_arith_rows(tmp_path, tok):
+    train, test = write_synthetic_arith(str(tmp_path), n_train=50, n_test=5, seed=0)
+    ds = PromptDataset([train], tok, DataConfig())
+    for r in ds.rows:
+        a, b = r.raw_prompt[:-1].split("+")
+        assert r.ground_truth == str(int(a) + int(b)) and r.data_source == "synthetic/arith"
+        assert len(r.input_ids) == 4
+    again, _ = write_synthetic_arith(str(tmp_path / "again"), n_train=50, n_test=5, seed=0)
+    assert pq.read_table(train).equals(pq.read_table(again))  # deterministic
+    assert len(PromptDataset([test], tok, DataConfig())) == 5
+
+
+def test_ensure_synthetic_data(tmp_path):
+    cfg = DataConfig(train_files=[str(tmp_path / "a" / "train.parquet")],
+                     val_files=[str(tmp_path / "a" / "test.parquet")])
+    assert len(ensure_synthetic_data(cfg, n_train=30, n_test=6)) == 2
+    assert pq.read_table(cfg.val_files[0]).num_rows == 6
+    assert ensure_synthetic_data(cfg) == []  # present now
+    off = DataConfig(train_files=[str(tmp_path / "b.parquet")], synthetic_task="")
+    assert ensure_synthetic_data(off) == []
+
+
+def test_make_synthetic_data_script(tmp_path):
+    import os
+    import runpy
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "make_synthetic_data.py")
+    main = runpy.run_path(script)["main"]
+    main(["--output_dir", str(tmp_path), "--n_train", "12", "--n_test", "3", "--seed", "5"])
+    assert pq.read_table(tmp_path / "train.parquet").num_rows == 12
+    assert pq.read_table(tmp_path / "test.parquet").num_rows == 3

@@ -1,0 +1,140 @@
+"""Tests of hybridrl.tokenizer: builtin:tiny, HF folders (with/without chat template), SentencePiece."""
+import json
+import os
+
+import pytest
+
+from hybridrl.tokenizer import (TINY_SPEC, TokenizerError, load_tokenizer, plain_chat_template,
+                                save_tiny_tokenizer)
+
+USER = [{"role": "user", "content": "3+4="}]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tokenizer(TINY_SPEC)
+
+
+def test_tiny_vocab_and_special_ids(tiny):
+    assert tiny.vocab_size == 54 <= 64
+    assert (tiny.pad_token_id, tiny.eos_token_id) == (0, 1)
+    assert (tiny.hf.bos_token_id, tiny.hf.unk_token_id) == (2, 3)
+
+
+def test_tiny_round_trip_is_one_token_per_char(tiny):
+    text = "hello 3+4=7\nok, (a-b)*c/d? yes!: 9."
+    ids = tiny.encode(text)
+    assert len(ids) == len(text) and min(ids) >= 4
+    assert tiny.decode(ids) == text
+    assert tiny.decode(tiny.encode("User: Hi")) == "user: hi"  # lowercased, not <unk>
+
+
+def test_tiny_decode_special_tokens(tiny):
+    ids = tiny.encode("7") + [tiny.eos_token_id, tiny.pad_token_id]
+    assert tiny.decode(ids) == "7"
+    assert tiny.decode(ids, skip_special_tokens=False) == "7<eos><pad>"
+    assert tiny.batch_decode([ids, tiny.encode("12")]) == ["7", "12"]
+
+
+def test_tiny_chat_template_is_bare_content(tiny):
+    assert tiny.has_chat_template
+    assert tiny.apply_chat_template(USER) == "3+4="
+
+
+def test_tiny_saves_and_loads_as_hf_folder(tiny, tmp_path):
+    folder = save_tiny_tokenizer(str(tmp_path / "tiny"))
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    again = load_tokenizer(folder)
+    text = "12+30=42 done."
+    assert again.encode(text) == tiny.encode(text)
+    assert (again.vocab_size, again.pad_token_id, again.eos_token_id) == (54, 0, 1)
+    assert again.apply_chat_template(USER) == "3+4="
+    assert load_tokenizer(os.path.join(folder, "tokenizer.json")).vocab_size == 54
+
+
+def _hf_folder(tmp_path, chat_template=None):
+    """A tiny HF folder whose chat template (if any) lives in tokenizer_config.json."""
+    folder = save_tiny_tokenizer(str(tmp_path / "hf"))
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(jinja):
+        os.remove(jinja)
+    cfg_path = os.path.join(folder, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("chat_template", None)
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def test_tokenizer_provided_chat_template(tmp_path):
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = load_tokenizer(_hf_folder(tmp_path, template))
+    assert tok.has_chat_template
+    assert tok.apply_chat_template(USER) == "<user>3+4=<assistant>"
+
+
+def test_plain_chat_template_when_tokenizer_has_none(tmp_path):
+    tok = load_tokenizer(_hf_folder(tmp_path))
+    assert not tok.has_chat_template
+    assert tok.apply_chat_template(USER) == "User: 3+4=\nAssistant:"
+    messages = [{"role": "system", "content": "be brief"}] + USER
+    assert plain_chat_template(messages) == "System: be brief\nUser: 3+4=\nAssistant:"
+
+
+def test_hf_folder_without_pad_pads_with_eos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "nopad"
+    folder.mkdir()
+    raw = Tokenizer(models.WordLevel({"</s>": 0, "<unk>": 1, "a": 2, "b": 3}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(str(folder))
+    assert tok.eos_token_id == tok.pad_token_id == 0
+    assert tok.encode("a b a") == [2, 3, 2]
+
+
+def test_sentencepiece_model(tmp_path):
+    import sentencepiece as spm
+
+    lines = ["the quick brown fox jumps over the lazy dog", "three plus four is seven",
+             "one two three four five six seven eight nine ten"] * 10
+    prefix = str(tmp_path / "sp")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=prefix,
+                                   vocab_size=50, model_type="unigram", minloglevel=2,
+                                   hard_vocab_limit=False)
+    tok = load_tokenizer(prefix + ".model")
+    assert 20 < tok.vocab_size <= 50
+    assert tok.eos_token_id == 2 and tok.pad_token_id == tok.eos_token_id  # no pad piece
+    ids = tok.encode("three fox")
+    assert tok.decode(ids) == "three fox"
+    assert tok.decode(ids + [tok.eos_token_id]) == "three fox"
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=False) == "three fox</s>"
+    assert tok.apply_chat_template(USER) == "User: 3+4=\nAssistant:"
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("builtin:huge", "not a known builtin"),
+    ("no/such/tokenizer", "does not exist"),
+])
+def test_bad_specs(spec, fragment):
+    with pytest.raises(TokenizerError, match=fragment) as e:
+        load_tokenizer(spec)
+    assert spec in str(e.value) and "builtin:tiny" in str(e.value)
+
+
+def test_bad_files_and_folders(tmp_path):
+    (tmp_path / "vocab.txt").write_text("a\nb\n")
+    with pytest.raises(TokenizerError, match="not a SentencePiece .model") as e:
+        load_tokenizer(str(tmp_path / "vocab.txt"))
+    assert "vocab.txt" in str(e.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TokenizerError, match="tokenizer.json") as e:
+        load_tokenizer(str(empty))
+    assert str(empty) in str(e.value)
