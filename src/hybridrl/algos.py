@@ -297,7 +297,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
                clip: float = 0.5, agg_mode: str = "token-mean") -> Tuple[Tensor, Tensor]:
     """Clipped value loss 0.5*max((v-R)^2, (v_clip-R)^2); returns (loss, clipfrac)."""
     m = _mask_like(response_mask, values)
-    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    # Inside the clip range v_clipped must be v itself: old + (v - old) is not bit-equal to v, and
+    # that rounding would flip the clipfrac comparison at random.
+    delta = values - old_values
+    v_clipped = torch.where(delta.abs() > clip, old_values + torch.clamp(delta, -clip, clip), values)
     losses1 = (values - returns) ** 2
     losses2 = (v_clipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), m, agg_mode)

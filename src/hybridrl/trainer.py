@@ -1,28 +1,186 @@
-"""The PPO/GRPO loop (provisional: until the trainer lands this only checks the parallel layout)."""
+"""The PPO / GRPO loop. One step:
+
+    rollout → reward → old log-probs (actor) → ref log-probs → values (critic, PPO only)
+    → KL penalty → advantages → critic update → actor update → weights into the rollout engine
+
+Every rank runs this code (SPMD); each DP rank owns a slice of the prompts, and TP/PP peers hold
+the same slice. Details live one level down: workers/, step_batch.py, roles.py, metrics.py.
+"""
 from __future__ import annotations
 
+import time
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from hybridrl import algos
 from hybridrl.config import Config
+from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.step_batch import assemble, gather_dp, local_slice, pad_columns
 
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (NaN loss, broken checkpoint); the message names step and tensor."""
 
 
+def prompt_seeds(base: int, step: int, indices) -> list:
+    """Sampling seed per prompt from its dataset row: the same whatever the DP/TP layout."""
+    return [(base * 1_000_003 + step * 7_919 + int(i) * 104_729) % (2 ** 31 - 1) for i in indices]
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, layout, groups, tokenizer, roles, reward_fn, writer):
+        self.cfg, self.layout, self.groups, self.tok = cfg, layout, groups, tokenizer
+        self.roles, self.reward_fn, self.writer = roles, reward_fn, writer
+        self.actor, self.ref, self.critic, self.rollout = roles.actor, roles.ref, roles.critic, roles.rollout
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.timer = StageTimer()
+
+    # ---- one step -------------------------------------------------------------------------
+    def train_step(self, prompts, step: int, update: bool = True) -> Dict[str, float]:
+        cfg, t = self.cfg, self.timer
+        t.reset()
+        step_start = time.perf_counter()
+        with t("gen"):
+            batch = self.generate(prompts, self.train_sampling(), step)
+        with t("reward"):
+            scores = self.score(batch, prompts, cfg.rollout.n)
+        with t("old_log_prob"):
+            batch["old_log_probs"], entropy = self.actor.compute_log_prob(
+                batch, cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        if self.ref is not None:
+            with t("ref"):
+                batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)
+        if self.critic is not None:
+            with t("values"):
+                batch["values"] = self.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
+        with t("adv"):
+            metrics = self.compute_advantages(batch, scores)
+        if self.critic is not None:
+            with t("update_critic"):
+                metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
+                                                         apply=update))
+        if step > cfg.trainer.critic_warmup or self.critic is None:
+            with t("update_actor"):
+                metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
+                                                        apply=update))
+        if update:
+            with t("update_weights"):
+                self.sync_rollout_weights()
+        t.seconds["step"] = time.perf_counter() - step_start
+        metrics.update(self.rollout_metrics(batch, entropy))
+        metrics.update(t.metrics())
+        return metrics
+
+    def train_sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=self.cfg.data.max_response_length,
+                              stop_token_ids=(self.tok.eos_token_id,), seed=r.seed)
+
+    def generate(self, prompts, sampling: SamplingParams, step: int) -> Dict[str, torch.Tensor]:
+        """Responses for this rank's prompts, padded to max_response_length."""
+        ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)]
+        self.rollout.wake_up()
+        out = self.rollout.generate(ids, sampling, prompt_seeds(sampling.seed, step, prompts.index))
+        if self.cfg.rollout.free_cache_engine:
+            self.rollout.sleep()
+        R = self.cfg.data.max_response_length
+        responses = pad_columns(out.responses, R, self.tok.pad_token_id)
+        mask = pad_columns(out.response_mask.float(), R, 0.0)
+        batch = assemble(prompts.input_ids, prompts.attention_mask, responses, mask, sampling.n)
+        batch["rollout_log_probs"] = pad_columns(out.log_probs.float(), R, 0.0)
+        return batch
+
+    def score(self, batch, prompts, n: int) -> torch.Tensor:
+        texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(batch["responses"], batch["response_mask"])]
+        rep = lambda xs: [x for x in xs for _ in range(n)]
+        scores = self.reward_fn(texts, rep(prompts.data_source), rep(prompts.ground_truth), rep(prompts.extra_info))
+        if not torch.isfinite(scores).all():
+            raise TrainingError("reward function returned a non-finite score")
+        return scores.float()
+
+    def compute_advantages(self, batch, scores) -> Dict[str, float]:
+        """KL-in-reward and advantages over the DP-global batch; each rank keeps its slice."""
+        a, g = self.cfg.algorithm, self.groups
+        mask = gather_dp(batch["response_mask"], g)
+        all_scores = gather_dp(scores, g)
+        token_rewards = algos.token_rewards_from_scores(all_scores, mask)
+        metrics = {}
+        if a.use_kl_in_reward:
+            token_rewards, kl = algos.apply_kl_penalty(
+                token_rewards, gather_dp(batch["old_log_probs"], g), gather_dp(batch["ref_log_probs"], g),
+                mask, self.kl_ctrl.value, a.kl_penalty)
+            metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            self.kl_ctrl.update(float(kl), n_steps=self.cfg.data.train_batch_size)
+        values = gather_dp(batch["values"], g) if "values" in batch else None
+        group_index = (torch.arange(mask.shape[0]) // self.cfg.rollout.n).tolist()
+        adv, returns = algos.compute_advantages(
+            a.adv_estimator, token_rewards=token_rewards, scores=all_scores, values=values, response_mask=mask,
+            group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo)
+        batch["advantages"], batch["returns"] = local_slice(adv, g), local_slice(returns, g)
+        prompt_mask = gather_dp(batch["prompt_mask"], g)
+        metrics.update(batch_metrics(all_scores, token_rewards, adv, returns, mask,
+                                     self.cfg.data.max_response_length, prompt_mask, values))
+        return metrics
+
+    def rollout_metrics(self, batch, entropy) -> Dict[str, float]:
+        g, mask = self.groups, batch["response_mask"]
+        diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+        n_tokens = gather_dp(batch["attention_mask"].sum().reshape(1).float(), g).sum().item()
+        gen_tokens = gather_dp(mask.sum().reshape(1), g).sum().item()
+        out = {"rollout/logprob_diff_mean": (gather_dp(diff.sum().reshape(1), g).sum() / max(gen_tokens, 1)).item(),
+               "rollout/logprob_diff_max": gather_dp(diff.max().reshape(1), g).max().item(),
+               "actor/entropy_old": (gather_dp((entropy * mask).sum().reshape(1), g).sum() / max(gen_tokens, 1)).item(),
+               "perf/rollout_tokens": gen_tokens}
+        out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
+        return out
+
+    def sync_rollout_weights(self) -> None:
+        from hybridrl.reshard import update_engine_weights
+
+        update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
+                              self.cfg.rollout.update_weights_bucket_mb)
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self, val_loader) -> Dict[str, float]:
+        r = self.cfg.rollout
+        sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=1.0, top_k=-1,
+                                  max_new_tokens=self.cfg.data.max_response_length,
+                                  stop_token_ids=(self.tok.eos_token_id,), seed=r.seed)
+        totals: Dict[str, list] = {}
+        for prompts in val_loader:
+            if len(prompts) == 0:
+                continue
+            batch = self.generate(prompts, sampling, step=-1)
+            scores = self.score(batch, prompts, r.val_n)
+            sources = [s for s in prompts.data_source for _ in range(r.val_n)]
+            for src, s in zip(sources, scores.tolist()):
+                t = totals.setdefault(src, [0.0, 0.0, 0])
+                t[0], t[1], t[2] = t[0] + s, t[1] + float(s >= 1.0), t[2] + 1
+        return reduce_val_totals(totals, self.groups)
+
+
+def reduce_val_totals(totals: Dict[str, list], groups) -> Dict[str, float]:
+    """Sum (score, correct, count) per data_source over DP ranks → val/<source>/{score,acc}."""
+    parts = [None] * groups.dp
+    dist.all_gather_object(parts, totals, group=groups.dp_group)
+    merged: Dict[str, list] = {}
+    for part in parts:
+        for src, (s, c, n) in part.items():
+            m = merged.setdefault(src, [0.0, 0.0, 0])
+            m[0], m[1], m[2] = m[0] + s, m[1] + c, m[2] + n
+    out = {}
+    for src, (s, c, n) in merged.items():
+        out[f"val/{src}/score"] = s / max(n, 1)
+        out[f"val/{src}/acc"] = c / max(n, 1)
+    return out
+
+
 def run(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
-    import torch.distributed as dist
+    from hybridrl.trainer_loop import main_loop
 
-    from hybridrl.config_io import to_yaml
-    from hybridrl.layout import derive_layout
-    from hybridrl.log import print0, setup_logging
-    from hybridrl.parallel.distributed import init_distributed, init_model_parallel
-
-    setup_logging()
-    le = init_distributed()
-    layout = derive_layout(cfg, le.world_size, vocab_size=64)
-    print0(to_yaml(cfg))
-    groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed)
-    print0(f"layout: {layout.describe()}")
-    dist.barrier()
-    print0(f"rank0 groups: tp_rank={groups.tp_rank} pp_rank={groups.pp_rank} dp_rank={groups.dp_rank}")
-    print0("Layout OK (the trainer is not built yet)")
-    return 0
+    return main_loop(cfg, dry_run=dry_run, profile=profile)

@@ -30,6 +30,8 @@ class GPTSpec:
     tie_word_embeddings: bool = False
     head_dim: int = 0
     """0: hidden_size // num_attention_heads."""
+    rope_scaling_factor: float = 0.0
+    """Llama-3 rope scaling factor (megatron's fixed low/high frequency factors 1/4, 8192 context); 0: off."""
 
     @property
     def kv_channels(self) -> int:
@@ -80,7 +82,10 @@ def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float
         post_process=pp_rank == pp - 1,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta),
+        # an integral base stays an int, as megatron types it; the frequencies are identical
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rope_scaling=spec.rope_scaling_factor > 0,
+        rope_scaling_factor=spec.rope_scaling_factor or 8.0,
     )
     if not torch.cuda.is_available():
         return model

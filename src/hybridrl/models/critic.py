@@ -1,0 +1,92 @@
+"""Critic: the GPT trunk with a scalar value head instead of the LM head; forward gives values [B, S] fp32.
+
+The head is a replicated `Linear(hidden, 1)` placed at `GPTModel.output_layer`, so megatron's own
+forward and pipeline schedule drive it unchanged (only the last stage has it). Replication is
+sound because, with sequence_parallel off, every TP rank holds the full hidden states after the
+final norm: all TP ranks compute the same values and the same head gradients. Initialisation:
+from an HF causal LM (lm_head dropped, head seeded identically on every rank), or from a reward
+model (`score.weight` [1, H] of HF `*ForSequenceClassification`, or TRL's `v_head.summary.*`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hybridrl.models.gpt import GPTSpec, build_gpt
+from hybridrl.models.hf_checkpoint import SafetensorsReader, load_hf_into_mcore
+from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spec_from_hf_config
+
+# reward-model head names -> (weight, bias or None), in order of preference
+REWARD_HEADS = (("score.weight", "score.bias"), ("v_head.summary.weight", "v_head.summary.bias"),
+                ("v_head.weight", "v_head.bias"))
+HEAD_WEIGHT, HEAD_BIAS = "output_layer.value_head.weight", "output_layer.value_head.bias"
+
+
+class ValueHead(torch.nn.Module):
+    """Replicated Linear(hidden, 1) with the output-layer call signature megatron's GPTModel uses."""
+
+    def __init__(self, hidden_size: int, dtype=torch.float32, seed: int = 0, std: float = 0.02):
+        super().__init__()
+        self.value_head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        g = torch.Generator().manual_seed(seed)  # same seed on every rank keeps TP replicas equal
+        with torch.no_grad():
+            self.value_head.weight.copy_(std * torch.randn(1, hidden_size, generator=g))
+            self.value_head.bias.zero_()
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        # [S, B, H] -> [S, B] in fp32; GPTModel transposes the result to [B, S]
+        w, b = self.value_head.weight.float(), self.value_head.bias.float()
+        return F.linear(hidden_states.float(), w, b).squeeze(-1), None
+
+
+def build_critic(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", seed: int = 0,
+                 **config_overrides):
+    """A GPTModel chunk whose last stage ends in a ValueHead (untied: the critic has no LM head)."""
+    if config_overrides.get("sequence_parallel"):
+        raise ValueError("the critic's replicated value head needs sequence_parallel=False")
+    trunk_spec = dataclasses.replace(spec, tie_word_embeddings=False)
+    model = build_gpt(trunk_spec, tp, pp, pp_rank, dtype, **config_overrides)
+    if model.post_process:
+        head = ValueHead(spec.hidden_size, model.config.params_dtype, seed, model.config.init_method_std)
+        model.output_layer = head.to(next(model.parameters()).device)
+    return model
+
+
+def load_value_head(model, reader) -> str | None:
+    """Copy a reward model's head into the critic's ValueHead; returns the HF name used, or None."""
+    names = set(reader.names())
+    for w_name, b_name in REWARD_HEADS:
+        if w_name not in names:
+            continue
+        head = model.output_layer.value_head
+        w = reader.read(w_name)
+        if tuple(w.shape) != tuple(head.weight.shape):
+            raise ValueError(f"reward head {w_name!r} has shape {list(w.shape)}, expected shape "
+                             f"{list(head.weight.shape)} (a single-label value head)")
+        with torch.no_grad():
+            head.weight.copy_(w)
+            head.bias.copy_(reader.read(b_name).reshape(1) if b_name in names else torch.zeros(1))
+        return w_name
+    return None
+
+
+def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: int = 0):
+    """(critic, spec, head_source): the trunk from an HF LM or reward-model folder.
+
+    head_source is the reward head's HF name when the folder had one (then it initialises the
+    value head), else None (fresh seeded head).
+    """
+    cfg = as_config_dict(hf_folder_or_config)
+    spec = spec_from_hf_config(cfg)
+    check_parallel_layout(spec, groups.tp, groups.pp)
+    model = build_critic(spec, groups.tp, groups.pp, groups.pp_rank, dtype, seed)
+    if not (isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)):
+        return model, spec, None
+    folder = os.fspath(hf_folder_or_config)
+    allowed = {"lm_head.weight"} | {n for pair in REWARD_HEADS for n in pair}
+    load_hf_into_mcore(model, folder, spec, groups, head="none", allowed_extra=allowed)
+    source = load_value_head(model, SafetensorsReader(folder)) if groups.is_last_stage else None
+    return model, spec, source

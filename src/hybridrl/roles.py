@@ -1,0 +1,109 @@
+"""Build the roles of a run: actor, reference, critic (PPO only) and the rollout engine.
+
+Every role loads from one HF folder (model.path, or a seeded random model written once when the
+config builds a tiny model from its fields), so all roles start from the same weights.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.config import Config
+from hybridrl.models.gpt import GPTSpec
+from hybridrl.parallel.distributed import ParallelGroups
+from hybridrl.workers.actor import ActorWorker, LogProbWorker
+from hybridrl.workers.critic import CriticWorker
+from hybridrl.workers.engine import ModelEngine
+from hybridrl.workers.optim import build_optimizer
+
+
+@dataclass
+class Roles:
+    spec: GPTSpec
+    hf_folder: str
+    actor: ActorWorker
+    ref: Optional[LogProbWorker]
+    critic: Optional[CriticWorker]
+    rollout: object
+
+
+def init_model_folder(cfg: Config, vocab_size: int) -> str:
+    """model.path, or a random HF model built from the config fields (written by rank 0)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+
+    m = cfg.model
+    folder = os.path.join(cfg.trainer.default_local_dir, "init_hf")
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
+        random_hf_model_folder(
+            folder, m.architecture, seed=m.seed, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, vocab_size=m.vocab_size or vocab_size,
+            max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+            rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings, initializer_range=0.02)
+    dist.barrier()
+    return folder
+
+
+def _trainable(module, cfg: Config):
+    """Wrap in megatron DDP (gradient buffers, DP all-reduce in finalize_model_grads)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    config = module.config
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    return DistributedDataParallel(config, ddp_config, module)
+
+
+def _frozen(module):
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module.eval()
+
+
+def build_rollout(cfg: Config, spec: GPTSpec, groups: ParallelGroups, tokenizer):
+    if cfg.rollout.name == "vllm":
+        from hybridrl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(spec=spec, cfg=cfg.rollout, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+    from hybridrl.rollout.native import NativeEngine
+
+    return NativeEngine(spec, cfg.rollout.tensor_model_parallel_size, groups, cfg.model.params_dtype,
+                        tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int) -> Roles:
+    from hybridrl.models.critic import critic_from_hf
+    from hybridrl.models.hf_checkpoint import model_from_hf
+
+    folder = init_model_folder(cfg, tokenizer.vocab_size)
+    dtype = cfg.model.params_dtype
+    temperature = cfg.rollout.temperature
+    actor_model, spec = model_from_hf(folder, groups, dtype)
+    actor_module = _trainable(actor_model, cfg)
+    actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
+                                cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)
+    actor = ActorWorker(ModelEngine(actor_module, groups), actor_opt, cfg.actor, spec.vocab_size, temperature)
+    ref = None
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref_model, _ = model_from_hf(folder, groups, dtype)
+        ref = LogProbWorker(ModelEngine(_frozen(ref_model), groups), spec.vocab_size, temperature)
+    critic = None
+    if cfg.algorithm.uses_critic:
+        critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, dtype, seed=cfg.model.seed)
+        critic_module = _trainable(critic_model, cfg)
+        critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
+                                     cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
+        critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic)
+    rollout = build_rollout(cfg, spec, groups, tokenizer)
+    return Roles(spec, folder, actor, ref, critic, rollout)
+
+
+def model_memory_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())

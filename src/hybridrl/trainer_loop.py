@@ -1,0 +1,182 @@
+"""Set up a run and drive PPOTrainer over steps: resume, validation, checkpoints, profile, dry run."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.checkpoint import CheckpointManager, rng_state, set_rng_state
+from hybridrl.config import Config
+from hybridrl.log import print0, setup_logging
+
+CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm",
+                "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean", "timing_s/step")
+
+
+def _total_steps(cfg: Config, loader) -> int:
+    return cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
+
+
+def _endless(loader):
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
+
+
+def _training_state(trainer) -> dict:
+    roles = trainer.roles
+    state = {"actor": roles.actor.engine.module.module.state_dict(), "actor_optim": roles.actor.optimizer.state_dict(),
+             "rng": rng_state()}
+    if roles.critic is not None:
+        state["critic"] = roles.critic.engine.module.module.state_dict()
+        state["critic_optim"] = roles.critic.optimizer.state_dict()
+    return state
+
+
+def _restore(trainer, state: dict) -> None:
+    roles = trainer.roles
+    roles.actor.engine.module.module.load_state_dict(state["actor"])
+    roles.actor.optimizer.load_state_dict(state["actor_optim"])
+    if roles.critic is not None:
+        roles.critic.engine.module.module.load_state_dict(state["critic"])
+        roles.critic.optimizer.load_state_dict(state["critic_optim"])
+    set_rng_state(state["rng"])
+
+
+def _profile_line(step: int, m: dict) -> str:
+    t = lambda k: max(m.get(f"timing_s/{k}", 0.0), 1e-9)
+    tokens = m.get("perf/total_num_tokens", 0.0)
+    actor_s = t("old_log_prob") + t("update_actor")
+    line = f"[STEP {step}] Rollout: {m.get('perf/rollout_tokens', 0) / t('gen'):.0f} tokens/s | Actor: {tokens / actor_s:.0f} tokens/s"
+    critic = f"{tokens / (t('values') + t('update_critic')):.0f} tokens/s" if "timing_s/values" in m else "n/a"
+    return line + f" | Critic: {critic} | Total: {t('step'):.2f} s/step"
+
+
+def _setup(cfg: Config):
+    from hybridrl.data import make_train_loader, make_val_loader
+    from hybridrl.data_synthetic import ensure_synthetic_data
+    from hybridrl.layout import derive_layout
+    from hybridrl.parallel.distributed import init_distributed, init_model_parallel
+    from hybridrl.tokenizer import load_tokenizer
+
+    setup_logging()
+    le = init_distributed()
+    torch.manual_seed(cfg.trainer.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
+    groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed)
+    if le.rank == 0:
+        ensure_synthetic_data(cfg.data)
+    dist.barrier()
+    train_loader = make_train_loader(cfg.data, tokenizer, groups.dp_rank, groups.dp)
+    val_loader = make_val_loader(cfg.data, tokenizer, groups.dp_rank, groups.dp) if cfg.data.val_files else None
+    return le, tokenizer, layout, groups, train_loader, val_loader
+
+
+def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
+    from hybridrl.config_io import to_yaml
+    from hybridrl.metrics import MetricsWriter
+    from hybridrl.rewards import RewardManager
+    from hybridrl.roles import build_roles
+    from hybridrl.trainer import PPOTrainer, TrainingError
+
+    le, tokenizer, layout, groups, train_loader, val_loader = _setup(cfg)
+    print0(to_yaml(cfg))
+    print0(f"layout: {layout.describe()}")
+    total = _total_steps(cfg, train_loader)
+    roles = build_roles(cfg, groups, tokenizer, total)
+    tc = cfg.trainer
+    log_dir = os.path.join(tc.log_dir, tc.project_name, tc.experiment_name)
+    writer = MetricsWriter(tc.logger if not dry_run else ["console"], log_dir, enabled=le.rank == 0)
+    trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer)
+    ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep, le.rank, dist.barrier)
+    trainer.sync_rollout_weights()
+    if dry_run:
+        return _dry_run(trainer, train_loader, layout, cfg)
+    start = _resume(trainer, ckpt, train_loader, tc.resume_mode)
+    if val_loader is not None and tc.val_before_train and start == 0:
+        writer.log(trainer.validate(val_loader), 0)
+    batches = _endless(train_loader)
+    bar = _progress(total, start, tc.progress_bar and le.rank == 0)
+    profile_steps = []
+    for step in range(start + 1, total + 1):
+        prompts = next(batches)
+        try:
+            metrics = trainer.train_step(prompts, step)
+        except FloatingPointError as err:
+            raise TrainingError(f"step {step}: {err}; stopped before the update, nothing was saved for "
+                                f"this step (last checkpoint: {ckpt.latest()})") from None
+        if val_loader is not None and tc.test_freq > 0 and (step % tc.test_freq == 0 or step == total):
+            metrics.update(trainer.validate(val_loader))
+        metrics["training/global_step"] = step
+        writer.log(metrics, step, CONSOLE_KEYS + tuple(k for k in metrics if k.startswith("val/")))
+        if profile:
+            print0(_profile_line(step, metrics))
+            profile_steps.append(metrics)
+        if tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total):
+            ckpt.save(step, _training_state(trainer),
+                      {"data": train_loader.state_dict(), "kl_coef": trainer.kl_ctrl.value})
+        bar.update(1)
+    bar.close()
+    if profile and profile_steps:
+        _print_profile_average(profile_steps)
+    if tc.export_hf_dir:
+        _export_hf(trainer, tc.export_hf_dir)
+    writer.close()
+    return 0
+
+
+def _resume(trainer, ckpt: CheckpointManager, loader, resume_mode: str) -> int:
+    path = ckpt.resolve(resume_mode)
+    if path is None:
+        return 0
+    state, meta = ckpt.load(path)
+    _restore(trainer, state)
+    loader.load_state_dict(meta["data"])
+    trainer.kl_ctrl.value = meta["kl_coef"]
+    trainer.sync_rollout_weights()
+    print0(f"resumed from {path} at step {meta['step']}")
+    return int(meta["step"])
+
+
+def _progress(total: int, start: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, desc="steps", file=sys.stderr, dynamic_ncols=True)
+
+
+def _print_profile_average(steps) -> None:
+    avg = {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in steps[0]}
+    print0(_profile_line(0, avg).replace("[STEP 0]", f"[AVERAGE over {len(steps)} steps]"))
+
+
+def _dry_run(trainer, loader, layout, cfg: Config) -> int:
+    prompts = next(iter(loader))
+    metrics = trainer.train_step(prompts, step=1, update=False)
+    print0("dry run: one step of rollout, reward, log-probs, values, KL, advantages and losses (no update)")
+    for key in sorted(metrics):
+        print0(f"  {key}: {metrics[key]:.6g}")
+    print0(f"layout: {layout.describe()}")
+    try:
+        from hybridrl.planner import plan
+
+        print0(plan(cfg, layout.world_size).render())
+    except ImportError:
+        pass
+    print0("Ready for real training")
+    return 0
+
+
+def _export_hf(trainer, folder: str) -> None:
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, save_hf
+    from hybridrl.models.hf_config import load_hf_config
+
+    stream = mcore_to_hf_stream(trainer.actor.engine.module, trainer.roles.spec, trainer.groups)
+    save_hf(folder, stream, load_hf_config(trainer.roles.hf_folder))
+    print0(f"exported the actor to {folder}")

@@ -1,0 +1,1 @@
+"""Role workers (actor, critic, reference) over megatron-core models."""

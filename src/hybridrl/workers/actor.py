@@ -1,0 +1,133 @@
+"""The actor (policy) and the frozen reference: log-probs of responses and the PPO policy update.
+
+Losses are normalised over the whole mini-batch across DP ranks (token count or row count, by
+`loss_agg_mode`), so the gradient and the reported losses do not depend on how the mini-batch is
+split into micro-batches or DP shards.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from hybridrl import algos
+from hybridrl.config import ActorConfig
+from hybridrl.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+from hybridrl.metrics import mean_of
+from hybridrl.workers.engine import ModelEngine, dp_sum, mini_batches, split_micro_batches
+
+
+def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
+    """Logits at the positions that predict the response tokens: [B, R, V/tp]."""
+    T = logits.shape[1]
+    out = logits[:, T - response_len - 1:T - 1]
+    return out / temperature if temperature > 0 else out
+
+
+def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:
+    """Share of each micro-batch in the DP-global mini-batch normaliser."""
+    per_token = mode == "token-mean"
+    sizes = [float(mb["response_mask"].sum()) if per_token else float(mb["response_mask"].shape[0])
+             for mb in micro_batches]
+    total = dp_sum({"n": sum(sizes)}, engine.groups)["n"]
+    return [s / max(total, 1e-8) for s in sizes]
+
+
+class LogProbWorker:
+    """Shared by actor and reference: response log-probs (and entropy) from a GPT model."""
+
+    def __init__(self, engine: ModelEngine, vocab_size: int, temperature: float):
+        self.engine, self.vocab_size, self.temperature = engine, vocab_size, temperature
+
+    def _token_stats(self, output, mb, with_entropy: bool):
+        R = mb["responses"].shape[1]
+        logits = response_logits(output, R, self.temperature)
+        tp_group = self.engine.groups.tp_group
+        log_probs = vocab_parallel_log_probs(logits, mb["responses"], tp_group, self.vocab_size)
+        entropy = vocab_parallel_entropy(logits, tp_group, self.vocab_size) if with_entropy else None
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Dict[str, torch.Tensor], micro_size: int, with_entropy: bool = False):
+        """[B, R] log-probs (and entropy) of batch["responses"]; no gradients."""
+        self.engine.train(False)
+
+        def loss_fn(output, mb):
+            lp, ent = self._token_stats(output, mb, with_entropy)
+            out = {"log_probs": lp.detach()}
+            if ent is not None:
+                out["entropy"] = ent.detach()
+            return output.new_zeros(()), out
+
+        keys = ("input_ids", "attention_mask", "responses", "response_mask")
+        parts = self.engine.run(split_micro_batches({k: batch[k] for k in keys}, micro_size), loss_fn, True)
+        log_probs = torch.cat([p["log_probs"] for p in parts])
+        entropy = torch.cat([p["entropy"] for p in parts]) if with_entropy else None
+        return log_probs, entropy
+
+
+class ActorWorker(LogProbWorker):
+    def __init__(self, engine: ModelEngine, optimizer, cfg: ActorConfig, vocab_size: int, temperature: float):
+        super().__init__(engine, vocab_size, temperature)
+        self.optimizer, self.cfg = optimizer, cfg
+
+    def _loss(self, output, mb, weight: float, n_micro: int):
+        cfg = self.cfg
+        mask = mb["response_mask"]
+        log_probs, entropy = self._token_stats(output, mb, with_entropy=True)
+        pg_loss, stats = algos.policy_loss(
+            mb["old_log_probs"], log_probs, mb["advantages"], mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+            cfg.clip_ratio_c, cfg.loss_agg_mode, rollout_log_prob=mb.get("rollout_log_probs"),
+            rollout_is_threshold=cfg.rollout_is_threshold)
+        ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * ent
+        metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item(),
+                   **{f"actor/{k}": float(v) for k, v in stats.items()}}
+        if cfg.use_kl_loss:
+            kl = algos.agg_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_loss_type), mask,
+                                cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        metrics = {k: v * weight for k, v in metrics.items()}  # summed over micro-batches and DP later
+        # The schedule divides by n_micro and DDP averages over DP: undo both for a global mean.
+        scaled = loss * weight * n_micro * self.engine.groups.dp
+        return scaled, {**metrics, "finite": torch.isfinite(loss).item()}
+
+    def update_policy(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, apply: bool = True):
+        """ppo_epochs passes over mini-batches; mean metrics over optimizer steps. apply=False
+        computes the same losses without backward or update (the dry run)."""
+        self.engine.train(True)
+        keys = [k for k in ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs",
+                            "advantages", "ref_log_probs", "rollout_log_probs") if k in batch]
+        return mean_of(self._optimizer_step(mini, apply)
+                       for mini in mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs))
+
+    def _optimizer_step(self, mini: Dict[str, torch.Tensor], apply: bool) -> Dict[str, float]:
+        micro = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
+        weights = iter(global_weights(micro, self.cfg.loss_agg_mode, self.engine))
+        self.engine.zero_grad()
+        self.optimizer.zero_grad()
+        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), not apply)
+        return finish_step(self.engine, self.optimizer, stats, "actor", apply)
+
+
+def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True):
+    """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss)."""
+    summed = {}
+    for s in stats:
+        for k, v in s.items():
+            summed[k] = summed.get(k, 0.0) + float(v)
+    n_finite = summed.pop("finite")
+    metrics = dp_sum(summed, engine.groups)
+    finite = dp_sum({"f": n_finite, "n": float(len(stats))}, engine.groups)
+    if finite["f"] < finite["n"]:
+        bad = [k for k, v in metrics.items() if v != v or abs(v) == float("inf")]
+        raise FloatingPointError(f"{role} loss is not finite ({', '.join(bad) or 'loss'})")
+    if not apply:
+        return metrics
+    updated, grad_norm, lr = optimizer.step()
+    if not updated:
+        raise FloatingPointError(f"{role} gradient norm is not finite ({grad_norm})")
+    metrics[f"{role}/grad_norm"] = grad_norm
+    metrics[f"{role}/lr"] = lr
+    return metrics

@@ -1,0 +1,59 @@
+"""The critic (value model): values of response positions and the clipped value-loss update."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from hybridrl import algos
+from hybridrl.config import CriticConfig
+from hybridrl.workers.actor import finish_step, global_weights
+from hybridrl.metrics import mean_of
+from hybridrl.workers.engine import ModelEngine, mini_batches, split_micro_batches
+
+
+def response_values(values: torch.Tensor, response_len: int) -> torch.Tensor:
+    """V(s_t) for the state before each response token: [B, R] (verl's slice)."""
+    T = values.shape[1]
+    return values[:, T - response_len - 1:T - 1].float()
+
+
+class CriticWorker:
+    def __init__(self, engine: ModelEngine, optimizer, cfg: CriticConfig):
+        self.engine, self.optimizer, self.cfg = engine, optimizer, cfg
+
+    @torch.no_grad()
+    def compute_values(self, batch: Dict[str, torch.Tensor], micro_size: int) -> torch.Tensor:
+        self.engine.train(False)
+
+        def loss_fn(output, mb):
+            v = response_values(output, mb["response_mask"].shape[1]) * mb["response_mask"]
+            return output.new_zeros(()), {"values": v.detach()}
+
+        keys = ("input_ids", "attention_mask", "response_mask")
+        parts = self.engine.run(split_micro_batches({k: batch[k] for k in keys}, micro_size), loss_fn, True)
+        return torch.cat([p["values"] for p in parts])
+
+    def _loss(self, output, mb, weight: float, n_micro: int):
+        mask = mb["response_mask"]
+        values = response_values(output, mask.shape[1])
+        vf_loss, clipfrac = algos.value_loss(values, mb["values"], mb["returns"], mask,
+                                             self.cfg.cliprange_value, self.cfg.loss_agg_mode)
+        metrics = {"critic/vf_loss": vf_loss.item() * weight, "critic/vf_clipfrac": float(clipfrac) * weight,
+                   "critic/vpred_mean": algos.masked_mean(values, mask).item() * weight}
+        scaled = vf_loss * weight * n_micro * self.engine.groups.dp
+        return scaled, {**metrics, "finite": torch.isfinite(vf_loss).item()}
+
+    def update_critic(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, apply: bool = True):
+        self.engine.train(True)
+        keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
+        return mean_of(self._optimizer_step(mini, apply)
+                       for mini in mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs))
+
+    def _optimizer_step(self, mini: Dict[str, torch.Tensor], apply: bool) -> Dict[str, float]:
+        micro = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
+        weights = iter(global_weights(micro, self.cfg.loss_agg_mode, self.engine))
+        self.engine.zero_grad()
+        self.optimizer.zero_grad()
+        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), not apply)
+        return finish_step(self.engine, self.optimizer, stats, "critic", apply)

@@ -1,0 +1,112 @@
+"""Forward / backward of one megatron-core model over micro-batches, for any TP x PP x DP.
+
+Every rank holds the same micro-batches as its TP and PP peers (SPMD); megatron-core's pipeline
+schedule (`get_forward_backward_func`, also used at PP=1) moves activations between stages, and
+what the last stage computes is broadcast to the other stages so every rank sees the results.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.parallel.distributed import ParallelGroups
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] validity → [B, 1, T, T] bool, True where attention is NOT allowed."""
+    T = attention_mask.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    return ~allowed[:, None]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def split_micro_batches(batch: Dict[str, torch.Tensor], micro_size: int) -> List[Dict[str, torch.Tensor]]:
+    """Equal-size row chunks (the pipeline schedule needs one shape for all micro-batches)."""
+    rows = next(iter(batch.values())).shape[0]
+    size = max(d for d in range(1, min(micro_size, rows) + 1) if rows % d == 0)
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def mini_batches(batch: Dict[str, torch.Tensor], keys, rows: int, epochs: int):
+    """`epochs` passes over consecutive row slices of `rows` (verl's ppo_epochs x mini-batches)."""
+    total = batch[keys[0]].shape[0]
+    for _ in range(epochs):
+        for start in range(0, total, rows):
+            yield {k: batch[k][start:start + rows] for k in keys}
+
+
+class ModelEngine:
+    """One role's model chunk (`module` may be wrapped in megatron DDP) and its process groups."""
+
+    def __init__(self, module: torch.nn.Module, groups: ParallelGroups):
+        self.module = module
+        self.groups = groups
+        self._last_stage_rank = dist.get_process_group_ranks(groups.pp_group)[-1]
+
+    @property
+    def config(self):
+        from megatron.core.utils import get_model_config
+
+        return get_model_config(self.module)
+
+    def run(self, micro_batches: List[Dict[str, torch.Tensor]], loss_fn: Callable, forward_only: bool) -> List[dict]:
+        """Run every micro-batch through the model.
+
+        `loss_fn(output, micro_batch) -> (loss_tensor, stats_dict)` runs on the last stage; the
+        schedule divides the loss by the number of micro-batches before backward. Returns the
+        per-micro-batch stats dicts on every rank.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        data = iter(micro_batches)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            mask = mb["attention_mask"]
+            out = model(mb["input_ids"], position_ids_from_mask(mask), causal_padding_mask(mask))
+            return out, lambda output: loss_fn(output, mb)
+
+        first = micro_batches[0]["input_ids"]
+        stats = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=[self.module],
+            num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
+            forward_only=forward_only)
+        return self._from_last_stage(stats if self.groups.is_last_stage else None)
+
+    def _from_last_stage(self, obj):
+        if self.groups.pp == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self._last_stage_rank, group=self.groups.pp_group)
+        return holder[0]
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def zero_grad(self) -> None:
+        if hasattr(self.module, "zero_grad_buffer"):
+            self.module.zero_grad_buffer()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def finish_grad_sync(self) -> None:
+        """DP all-reduce of the gradients (megatron DDP's buffers)."""
+        if hasattr(self.module, "finish_grad_sync"):
+            self.module.finish_grad_sync()
+
+
+def dp_sum(values: Dict[str, float], groups: ParallelGroups) -> Dict[str, float]:
+    """Sum a dict of floats over the data-parallel group (same keys on every rank)."""
+    if groups.dp == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # nccl reduces CUDA tensors only
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=groups.dp_group)
+    return dict(zip(keys, t.tolist()))

@@ -1,0 +1,126 @@
+"""Optimizer and LR schedule of a trainable role.
+
+On GPU this is megatron-core's optimizer (`get_megatron_optimizer`, distributed optimizer optional).
+megatron-core's grad clipping asserts CUDA tensors, so on CPU the same contract is met by torch
+AdamW plus a global grad-norm computed over the model-parallel group (each parameter counted once).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.config import OptimConfig
+from hybridrl.parallel.distributed import ParallelGroups
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup, then constant / linear / cosine decay to lr * min_lr_ratio."""
+    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_style == "constant" or total_steps <= cfg.lr_warmup_steps:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / max(1, total_steps - cfg.lr_warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.lr_decay_style == "linear":
+        return floor + (cfg.lr - floor) * (1.0 - progress)
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _counts_once(param, groups: ParallelGroups) -> bool:
+    """Replicated params (norms, biases of row-parallel layers) are counted on TP rank 0 only; the
+    tied output layer copy on the last stage is skipped (its twin lives on the first stage)."""
+    if getattr(param, "shared", False) and groups.pp > 1 and groups.is_last_stage and not groups.is_first_stage:
+        return False
+    return getattr(param, "tensor_model_parallel", False) or groups.tp_rank == 0
+
+
+class CpuOptimizer:
+    """torch AdamW over megatron DDP's main_grad buffers, with a global grad-norm clip."""
+
+    def __init__(self, module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.cfg, self.groups, self.total_steps = cfg, groups, total_steps
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                     weight_decay=cfg.weight_decay)
+        self.step_count = 0
+
+    def grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None and _counts_once(p, self.groups):
+                sq += p.grad.detach().double().pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size(self.groups.mp_group) > 1:
+            dist.all_reduce(sq, group=self.groups.mp_group)
+        return math.sqrt(sq.item())
+
+    def step(self):
+        """Returns (updated, grad_norm, lr); not updated when the norm is not finite."""
+        for p in self.params:
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                p.grad = main.to(p.dtype)
+        norm = self.grad_norm()
+        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+        if not math.isfinite(norm):
+            return False, norm, lr
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            scale = self.cfg.clip_grad / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.step_count += 1
+        return True, norm, lr
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+        self.step_count = state["step_count"]
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer (CUDA): mixed precision, distributed optimizer, clipping."""
+
+    def __init__(self, module, cfg: OptimConfig, use_distributed_optimizer: bool, total_steps: int, dtype):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+                               clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                               params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer)
+        self.opt = get_megatron_optimizer(ocfg, [module])
+        self.cfg, self.total_steps, self.step_count = cfg, total_steps, 0
+
+    def step(self):
+        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        updated, norm, _ = self.opt.step()
+        self.step_count += int(bool(updated))
+        return bool(updated), float(norm if norm is not None else float("nan")), lr
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+        self.step_count = state["step_count"]
+
+
+def build_optimizer(module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int,
+                    use_distributed_optimizer: bool = False, dtype=torch.float32):
+    if torch.cuda.is_available():
+        return MegatronOptimizer(module, cfg, use_distributed_optimizer, total_steps, dtype)
+    return CpuOptimizer(module, cfg, groups, total_steps)
