@@ -21,9 +21,12 @@ class ModelDims:
     vocab_size: int
 
 
-def model_dims(model: ModelConfig, vocab_size: int = 0) -> ModelDims:
-    """Sizes of the model from its config.json (model.path) or from the config fields."""
-    if not model.path:
+def model_dims(model: ModelConfig, vocab_size: int = 0, allow_missing_path: bool = False) -> ModelDims:
+    """Sizes of the model from its config.json (model.path) or from the config fields.
+
+    allow_missing_path: when model.path does not exist (a placeholder such as /path/to/Qwen2-7B in a
+    size config planned away from the cluster), use the config fields instead of failing."""
+    if not model.path or (allow_missing_path and not os.path.exists(model.path)):
         return ModelDims(model.num_layers, model.num_attention_heads, model.num_key_value_heads,
                          model.hidden_size, model.vocab_size or vocab_size)
     cfg_path = os.path.join(model.path, "config.json")
@@ -72,14 +75,14 @@ def _check_mini_batches(role: str, mini: int, micro: int, cfg: Config, dp: int) 
     return samples
 
 
-def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0) -> Layout:
+def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missing_path: bool = False) -> Layout:
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by tp ({tp}) * pp ({pp}); "
              f"launch a multiple of {tp * pp} processes or change parallel.*_model_parallel_size")
     dp = world_size // (tp * pp)
-    dims = model_dims(cfg.model, vocab_size)
+    dims = model_dims(cfg.model, vocab_size, allow_missing_path)
     _require(dims.num_attention_heads % tp == 0,
              f"num_attention_heads={dims.num_attention_heads} is not divisible by "
              f"parallel.tensor_model_parallel_size={tp}; pick a TP that divides the heads")

@@ -1,0 +1,19 @@
+#!/bin/bash
+# PPO of Qwen2-7B on GSM8k: 2 nodes x 8 x 80 GB GPUs (the layout in configs/qwen2_7b.yaml).
+#
+#   mkdir -p logs && sbatch slurm/ppo_qwen7b.sh [key=value ...]
+#
+# Set model.path / data.tokenizer in the config (or as overrides) to the HF Qwen2-7B-Instruct folder.
+#SBATCH --job-name=ppo-qwen2-7b
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --time=24:00:00
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+
+# sbatch runs a copy of this script from its spool folder: find the repository from the submit folder.
+REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$(pwd)}}
+export REPO_DIR
+exec bash "$REPO_DIR/slurm/ppo.sh" configs/qwen2_7b.yaml "$@"

@@ -1,0 +1,78 @@
+"""Every config in configs/ loads, validates at the world size it is meant for, and fits the GPU it
+declares; the size configs carry the published architectures and realistic GSM8k settings."""
+import glob
+import os
+import re
+
+import pytest
+
+from hybridrl import planner_memory as mem
+from hybridrl.config_io import load_config
+from hybridrl.layout import derive_layout
+from hybridrl.planner import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+# Published HF config.json values: hidden, layers, heads, kv heads, intermediate, vocab, rope_theta,
+# rms_norm_eps, tied embeddings, family; and the parameter count on the model card.
+PUBLISHED = {
+    "qwen2_0.5b.yaml": (896, 24, 14, 2, 4864, 151936, 1e6, 1e-6, True, "qwen2", 0.494e9),
+    "qwen2_1.5b.yaml": (1536, 28, 12, 2, 8960, 151936, 1e6, 1e-6, True, "qwen2", 1.54e9),
+    "qwen2_7b.yaml": (3584, 28, 28, 4, 18944, 152064, 1e6, 1e-6, False, "qwen2", 7.62e9),
+    "qwen2_72b.yaml": (8192, 80, 64, 8, 29568, 152064, 1e6, 1e-6, False, "qwen2", 72.7e9),
+    "llama3_8b.yaml": (4096, 32, 32, 8, 14336, 128256, 5e5, 1e-5, False, "llama", 8.03e9),
+}
+
+
+def launch_nodes(path: str) -> int:
+    """The `# launch: nodes=N` line of a size config; 0 when absent (a single-process CPU config)."""
+    with open(path) as f:
+        m = re.search(r"^# launch: nodes=(\d+)$", f.read(), re.M)
+    return int(m.group(1)) if m else 0
+
+
+def intended_world(path: str, cfg) -> int:
+    nodes = launch_nodes(path)
+    return nodes * cfg.parallel.gpus_per_node if nodes else 1
+
+
+def test_every_size_config_is_checked():
+    assert set(PUBLISHED) <= {os.path.basename(p) for p in ALL_CONFIGS}
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=os.path.basename)
+def test_config_validates_and_fits_at_its_world_size(path):
+    cfg = load_config(path)
+    world = intended_world(path, cfg)
+    layout = derive_layout(cfg, world, vocab_size=64, allow_missing_path=True)
+    assert layout.tp * layout.pp * layout.dp == world
+    p = plan(cfg, world, vocab_size=64)  # raises PlanError when it does not fit
+    assert p.fits and p.peak.total <= cfg.parallel.gpu_memory_gb * 2 ** 30
+    assert all(tp_group == tuple(range(tp_group[0], tp_group[0] + layout.tp)) for tp_group in p.groups.tp)
+    assert layout.tp <= cfg.parallel.gpus_per_node, "TP should stay inside a node"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_size_config_architecture_is_the_published_one(name):
+    h, layers, heads, kv, ffn, vocab, theta, eps, tied, family, n_params = PUBLISHED[name]
+    m = load_config(os.path.join(ROOT, "configs", name)).model
+    assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size,
+            m.vocab_size, m.rope_theta, m.rms_norm_eps, m.tie_word_embeddings, m.architecture) == \
+        (h, layers, heads, kv, ffn, vocab, theta, eps, tied, family)
+    assert m.params_dtype == "bfloat16" and m.path.startswith("/path/to/")
+    assert mem.total_params(mem.arch_from_model_config(m)) == pytest.approx(n_params, rel=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_size_config_gsm8k_settings(name):
+    path = os.path.join(ROOT, "configs", name)
+    cfg = load_config(path)
+    d = cfg.data
+    assert d.train_files == ["data/gsm8k/train.parquet"] and d.val_files == ["data/gsm8k/test.parquet"]
+    assert (d.max_prompt_length, d.max_response_length) == (512, 1024) and 256 <= d.train_batch_size <= 1024
+    assert d.synthetic_task == ""
+    assert cfg.rollout.name == "vllm" and cfg.rollout.n == (1 if cfg.algorithm.uses_critic else 5)
+    assert cfg.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
+    assert (cfg.parallel.gpus_per_node, cfg.parallel.gpu_memory_gb) == (8, 80)
+    assert launch_nodes(path) >= 1

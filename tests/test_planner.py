@@ -1,0 +1,254 @@
+"""Layout planner: process groups equal megatron-core's, memory formulas by hand and against a
+measured CPU training step, and refusals that name the fix."""
+import json
+import os
+
+import pytest
+
+from dist_helper import run_distributed
+
+from hybridrl import planner_memory as mem
+from hybridrl.config import ActorConfig, Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
+from hybridrl.config_io import load_config
+from hybridrl.layout import model_dims
+from hybridrl.planner import PlanError, estimate, plan, rank_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+# --- process groups -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world,tp,pp", [(8, 2, 2), (16, 2, 4), (64, 8, 4), (12, 3, 2), (8, 1, 8), (8, 8, 1)])
+def test_rank_groups_equal_megatron_rank_generator(world, tp, pp):
+    from megatron.core.parallel_state import RankGenerator
+
+    gen = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    groups = rank_groups(world, tp, pp)
+    for name in ("tp", "pp", "dp"):
+        assert [list(g) for g in getattr(groups, name)] == gen.get_ranks(name), name
+
+
+def test_rank_groups_by_hand():
+    g = rank_groups(8, 2, 2, rollout_tp=4)  # dp = 2: rank = tp_rank + 2 dp_rank + 4 pp_rank
+    assert g.tp == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert g.dp == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert g.pp == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert g.rollout_tp == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def _megatron_groups(layouts):
+    """The TP/PP/DP ranks of this process under megatron-core's parallel_state, per (tp, pp)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for tp, pp in layouts:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        out.append({name: dist.get_process_group_ranks(group()) for name, group in (
+            ("tp", ps.get_tensor_model_parallel_group), ("pp", ps.get_pipeline_model_parallel_group),
+            ("dp", ps.get_data_parallel_group))})
+        ps.destroy_model_parallel()
+    return dist.get_rank(), out
+
+
+def _check_against_processes(world, layouts, results):
+    for rank, per_layout in results:
+        for (tp, pp), got in zip(layouts, per_layout):
+            groups = rank_groups(world, tp, pp)
+            for name in ("tp", "pp", "dp"):
+                mine = next(list(g) for g in getattr(groups, name) if rank in g)
+                assert got[name] == mine, (world, tp, pp, name, rank)
+
+
+@pytest.mark.distributed
+def test_rank_groups_equal_parallel_state_world4():
+    layouts = [(2, 2), (1, 2), (2, 1)]
+    _check_against_processes(4, layouts, run_distributed(_megatron_groups, 4, layouts))
+
+
+@pytest.mark.distributed
+def test_rank_groups_equal_parallel_state_world8():
+    layouts = [(2, 2)]
+    _check_against_processes(8, layouts, run_distributed(_megatron_groups, 8, layouts))
+
+
+# --- formulas by hand -----------------------------------------------------------------------------
+
+ARCH = mem.Arch(num_layers=4, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                intermediate_size=16, vocab_size=200, tie_word_embeddings=False, qkv_bias=True)
+
+
+def test_param_counts_by_hand():
+    # qkv 8*(8+4+4) + bias 16, proj 8*8, mlp 3*8*16, two norms 2*8
+    assert mem.layer_params(ARCH, 1) == 128 + 16 + 64 + 384 + 16
+    assert mem.layer_params(ARCH, 2) == (128 + 16 + 64 + 384) // 2 + 16
+    assert ARCH.padded_vocab(1) == 256 and ARCH.padded_vocab(2) == 256 and ARCH.padded_vocab(3) == 384
+    layer = mem.layer_params(ARCH, 1)
+    assert mem.stage_params(ARCH, 1, 1, 0) == 4 * layer + 256 * 8 + 8 + 256 * 8
+    tied = mem.Arch(**{**ARCH.__dict__, "tie_word_embeddings": True})
+    assert mem.stage_params(tied, 1, 1, 0) == 4 * layer + 256 * 8 + 8
+    assert mem.stage_params(tied, 1, 2, 1) == 2 * layer + 8 + 256 * 8  # megatron's tied copy on the last stage
+    assert mem.stage_params(ARCH, 1, 2, 1, critic=True) == 2 * layer + 8 + 9
+    assert mem.total_params(tied) == 4 * layer + 200 * 8 + 8
+
+
+def test_training_state_bytes_follow_megatron_table():
+    per_param = lambda dtype, dp, dist: sum(mem.training_state_bytes(1, dtype, dp, dist).values())
+    assert per_param("bfloat16", 4, False) == 18 and per_param("bfloat16", 4, True) == 6 + 12 / 4
+    assert per_param("float32", 8, False) == 16 and per_param("float32", 8, True) == 8 + 8 / 8
+
+
+def test_activation_bytes_by_hand():
+    s, b, h, a, d, f = 10, 2, 8, 2, 4, 16
+    fp32 = mem.layer_activation_bytes(ARCH, s, b, 1, "float32")
+    assert fp32 == (6 * s * b * h + 4 * s * b * a * d + 5 * s * b * f) * 4 + a * s * s * b * 4
+    bf16_tp2 = mem.layer_activation_bytes(ARCH, s, b, 2, "bfloat16")
+    assert bf16_tp2 == 6 * s * b * h * 2 + (4 * s * b * a * d + 5 * s * b * f) * 2 / 2 + a * s * s * b * 6 / 2
+    full = mem.stage_activation_bytes(ARCH, s, b, 1, 2, 2, False, "float32")
+    assert full == 2 * 2 * fp32  # 2 layers per stage x 2 micro batches in flight
+    recompute = mem.stage_activation_bytes(ARCH, s, b, 1, 2, 2, True, "float32")
+    assert recompute == 2 * 2 * s * b * h * 4 + fp32
+    assert mem.kv_bytes_per_token(ARCH, 2, 1, "bfloat16") == 2 * 4 * 1 * 4 * 2  # 1 KV head kept per rank
+
+
+def test_model_dims_placeholder_path(tmp_path):
+    model = ModelConfig(path="/path/to/Nowhere", hidden_size=32, num_layers=3, vocab_size=99)
+    with pytest.raises(ConfigError, match="no config.json"):
+        model_dims(model)
+    assert model_dims(model, allow_missing_path=True).num_layers == 3
+    hf = dict(model_type="llama", num_hidden_layers=5, hidden_size=64, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=96, vocab_size=300, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    real = ModelConfig(path=str(tmp_path))
+    assert model_dims(real, allow_missing_path=True).num_layers == 5  # an existing folder still wins
+    arch = mem.arch_from_model_config(real)
+    assert (arch.num_layers, arch.intermediate_size, arch.qkv_bias, arch.tie_word_embeddings) == (5, 96, False, True)
+
+
+# --- estimate vs a measured CPU step --------------------------------------------------------------
+
+TINY = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=688,
+            vocab_size=1000)
+SEQ, MICRO = 256, 4
+
+
+def _measured_step_bytes():
+    """Bytes of params, grads, AdamW states, and the activations autograd saves (deduplicated by
+    storage, parameters excluded) in one forward + backward + AdamW step of a megatron GPTModel."""
+    import torch
+
+    from hybridrl.models.gpt import GPTSpec, build_gpt
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    init_model_parallel(1, 1)
+    spec = GPTSpec(max_position_embeddings=SEQ, qkv_bias=True, tie_word_embeddings=False, **TINY)
+    model = build_gpt(spec, tp=1, pp=1, pp_rank=0)
+    params = list(model.parameters())
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (MICRO, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens, position_ids, causal)  # [B, S, V_padded]
+        log_probs = torch.log_softmax(logits.float(), dim=-1)[..., :spec.vocab_size]
+        loss = -log_probs[:, :-1].gather(-1, tokens[:, 1:, None]).mean()
+    loss.backward()
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return dict(weights=nbytes(params), grads=nbytes(p.grad for p in params), optimizer=nbytes(states),
+                activations=sum(saved.values()))
+
+
+def _tiny_config(**model):
+    return Config(data=DataConfig(max_prompt_length=SEQ // 2, max_response_length=SEQ // 2, train_batch_size=4),
+                  model=ModelConfig(architecture="qwen2", tie_word_embeddings=False, params_dtype="float32",
+                                    max_position_embeddings=SEQ, **{**TINY, **model}),
+                  actor=ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=MICRO),
+                  rollout=RolloutConfig(name="native", n=1))
+
+
+@pytest.mark.distributed
+def test_estimate_within_20_percent_of_measured_step():
+    measured = run_distributed(_measured_step_bytes, 1)[0]
+    phase = estimate(_tiny_config(), 1).phase("actor update")
+    estimated = {k: phase.bytes(f"actor/{k}") for k in ("weights", "grads", "optimizer")}
+    estimated["activations"] = phase.bytes("actor/activations") + phase.bytes("actor/logits")
+    for k in ("weights", "grads"):
+        assert estimated[k] == pytest.approx(measured[k], rel=0.03), k  # vocab padding only
+    total_measured, total_estimated = sum(measured.values()), sum(estimated.values())
+    print(f"\nmeasured {measured} = {total_measured / 2**20:.1f} MiB; "
+          f"estimated {estimated} = {total_estimated / 2**20:.1f} MiB")
+    assert estimated["activations"] == pytest.approx(measured["activations"], rel=0.2)
+    assert total_estimated == pytest.approx(total_measured, rel=0.2)
+
+
+# --- refusals and the command line ----------------------------------------------------------------
+
+def _size_config(name, *overrides):
+    return load_config(os.path.join(CONFIGS, name), list(overrides))
+
+
+def test_72b_on_two_nodes_is_refused_with_the_fix():
+    cfg = _size_config("qwen2_72b.yaml", "parallel.pipeline_model_parallel_size=2")
+    with pytest.raises(PlanError, match=r"(?s)biggest consumer actor/optimizer.*pipeline_model_parallel_size"):
+        plan(cfg, 16)
+    cfg = _size_config("qwen2_72b.yaml", "parallel.pipeline_model_parallel_size=1",
+                       "parallel.use_distributed_optimizer=false")
+    with pytest.raises(PlanError, match="set parallel.use_distributed_optimizer=true"):
+        plan(cfg, 8)
+    assert not estimate(cfg, 8).fits
+
+
+def test_activation_heavy_layout_suggests_recompute_and_micro_batch():
+    cfg = _size_config("qwen2_0.5b.yaml", "actor.ppo_micro_batch_size_per_gpu=40")
+    with pytest.raises(PlanError, match=r"actor/activations.*recompute_activations=true.*ppo_micro_batch_size_per_gpu"):
+        plan(cfg, 8)
+    assert plan(_size_config("qwen2_0.5b.yaml", "actor.ppo_micro_batch_size_per_gpu=40",
+                             "parallel.recompute_activations=true"), 8).fits
+
+
+def test_rollout_pool_and_kv_cache_refusals():
+    cfg = _size_config("llama3_8b.yaml", "rollout.gpu_memory_utilization=0.9")
+    with pytest.raises(PlanError, match=r"phase 'rollout'.*rollout/vllm_pool.*lower rollout.gpu_memory_utilization"):
+        plan(cfg, 8)
+    cfg = _size_config("qwen2_72b.yaml", "rollout.gpu_memory_utilization=0.2")
+    with pytest.raises(PlanError, match="KV cache.*raise rollout.gpu_memory_utilization"):
+        plan(cfg, 32)
+
+
+def test_offload_flags_move_states_out_of_the_rollout_phase():
+    kept = estimate(_size_config("llama3_8b.yaml", "actor.offload.grads=false", "actor.offload.optimizer=false"), 8)
+    offloaded = estimate(_size_config("llama3_8b.yaml"), 8)
+    assert kept.phase("rollout").bytes("actor/optimizer") > 0
+    assert offloaded.phase("rollout").bytes("actor/optimizer") == 0
+    assert offloaded.phase("rollout").bytes("actor/weights") == kept.phase("rollout").bytes("actor/weights")
+    assert offloaded.phase("actor update").total == kept.phase("actor update").total  # in use: on the GPU
+    assert offloaded.peak.total == max(p.total for p in offloaded.phases)
+
+
+def test_plan_layout_script(capsys):
+    import runpy
+
+    main = runpy.run_path(os.path.join(ROOT, "scripts", "plan_layout.py"))["main"]
+    assert main(["--config", os.path.join(CONFIGS, "qwen2_7b.yaml"), "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TP             4 x 4: [0,1,2,3] [4,5,6,7] [8,9,10,11] [12,13,14,15]" in out
+    assert "DP             4 x 4: [0,4,8,12]" in out and "<- peak" in out and ": fits" in out
+    assert main(["--config", os.path.join(CONFIGS, "qwen2_72b.yaml"), "--nodes", "2",
+                 "parallel.pipeline_model_parallel_size=2"]) == 2
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out and "error: layout does not fit" in captured.err
+    assert main(["--config", os.path.join(CONFIGS, "qwen2_72b.yaml"), "--nodes", "1"]) == 2  # tp*pp = 32 > 8
+    assert "not divisible by tp (8) * pp (4)" in capsys.readouterr().err

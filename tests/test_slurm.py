@@ -1,0 +1,97 @@
+"""SLURM scripts: syntax, and the torchrun command line they launch, with stand-ins for srun and
+scontrol on PATH (test doubles of the scheduler only: they record their arguments)."""
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["slurm/ppo.sh", "slurm/ppo_qwen7b.sh"]
+
+FAKE_SRUN = """#!/bin/sh
+printf '%s\\0' "$@" > "$FAKE_LOG/srun.argv"
+echo "srun $*"
+"""
+FAKE_SCONTROL = """#!/bin/sh
+printf '%s\\0' "$@" > "$FAKE_LOG/scontrol.argv"
+printf 'gpu-node-07\\ngpu-node-08\\n'
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bash_syntax_and_sbatch_headers(script):
+    subprocess.run(["bash", "-n", os.path.join(ROOT, script)], check=True)
+    with open(os.path.join(ROOT, script)) as f:
+        headers = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", f.read(), re.M))
+    assert headers["ntasks-per-node"] == "1" and headers["output"] == "logs/%x-%j.out"
+    assert {"job-name", "nodes", "gpus-per-node", "cpus-per-task", "time"} <= set(headers)
+
+
+def _read_argv(path):
+    with open(path) as f:
+        return f.read().split("\0")[:-1]
+
+
+def _run(tmp_path, script, args, **env_extra):
+    """Run `script` from a copy of slurm/ in a fake submit folder; returns (srun argv, scontrol argv, stdout)."""
+    repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "log"
+    shutil.copytree(os.path.join(ROOT, "slurm"), repo / "slurm")
+    for d in (bin_dir, log):
+        d.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "GPUS_PER_NODE"}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="4242", SLURM_NNODES="2",
+               SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_SUBMIT_DIR=str(repo), SLURM_GPUS_ON_NODE="8",
+               **env_extra)
+    proc = subprocess.run(["bash", str(repo / script), *args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert (repo / "logs").is_dir() and (repo / "runs" / "4242").is_dir()
+    return _read_argv(log / "srun.argv"), _read_argv(log / "scontrol.argv"), proc.stdout
+
+
+def _torchrun(srun_argv):
+    assert "torchrun" in srun_argv, srun_argv
+    return srun_argv[srun_argv.index("torchrun"):]
+
+
+def test_generic_script_launch_line(tmp_path):
+    srun, scontrol, out = _run(tmp_path, "slurm/ppo.sh",
+                               ["configs/qwen2_72b.yaml", "actor.optim.lr=2e-6", "trainer.log_dir=runs/mine"])
+    assert scontrol == ["show", "hostnames", "gpu-node-[07-08]"]
+    assert _torchrun(srun) == [
+        "torchrun", "--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=gpu-node-07:29500", "--rdzv_id=4242",
+        "scripts/train_ppo.py", "--config", "configs/qwen2_72b.yaml",
+        "trainer.log_dir=runs/4242", "trainer.default_local_dir=checkpoints/4242",
+        "actor.optim.lr=2e-6", "trainer.log_dir=runs/mine"]  # user overrides last: they win
+    assert "srun --kill-on-bad-exit=1 torchrun" in out
+
+
+def test_gpus_per_node_and_port_knobs(tmp_path):
+    srun, _, _ = _run(tmp_path, "slurm/ppo.sh", ["configs/qwen2_0.5b.yaml"], GPUS_PER_NODE="4", RDZV_PORT="31000")
+    line = _torchrun(srun)
+    assert "--nproc_per_node=4" in line and "--rdzv_endpoint=gpu-node-07:31000" in line
+
+
+def test_qwen7b_script_uses_its_config_and_node_count(tmp_path):
+    srun, _, _ = _run(tmp_path, "slurm/ppo_qwen7b.sh", ["critic.optim.lr=2e-5"])
+    line = _torchrun(srun)
+    assert line[line.index("--config") + 1] == "configs/qwen2_7b.yaml"
+    assert line[-1] == "critic.optim.lr=2e-5" and "--nnodes=2" in line
+    with open(os.path.join(ROOT, "slurm", "ppo_qwen7b.sh")) as f:
+        sbatch_nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", f.read(), re.M).group(1))
+    with open(os.path.join(ROOT, "configs", "qwen2_7b.yaml")) as f:
+        config_nodes = int(re.search(r"^# launch: nodes=(\d+)$", f.read(), re.M).group(1))
+    assert sbatch_nodes == config_nodes
+
+
+def test_missing_config_argument_fails_with_usage(tmp_path):
+    env = dict(os.environ, SLURM_JOB_NODELIST="n1", SLURM_JOB_ID="1", SLURM_NNODES="1")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "slurm", "ppo.sh")], env=env, capture_output=True,
+                          text=True, cwd=tmp_path, timeout=30)
+    assert proc.returncode != 0 and "usage: sbatch" in proc.stderr

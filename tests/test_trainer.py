@@ -1,0 +1,116 @@
+"""End to end: the trainer under several layouts, DP invariance, resume, TensorBoard names, NaN stop."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_helper import free_port, run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+FAST = ["data.train_batch_size=4", "rollout.n=2", "data.max_response_length=4", "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2",
+        "data.val_batch_size=16", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.progress_bar=false",
+        "model.num_layers=2", "rollout.free_cache_engine=false"]
+
+
+def _overrides(tmp, extra):
+    return FAST + [f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/test.parquet]",
+                   f"trainer.default_local_dir={tmp}/ckpt", f"trainer.log_dir={tmp}/tb"] + list(extra)
+
+
+def read_scalars(tmp) -> dict:
+    """{tag: {step: value}} from the TensorBoard event files of a run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for path in glob.glob(os.path.join(str(tmp), "tb", "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def _train(config_path, overrides):
+    from hybridrl.config_io import load_config
+    from hybridrl.trainer_loop import main_loop
+
+    return main_loop(load_config(config_path, overrides))
+
+
+def _torchrun(tmp, nproc, extra, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+LAYOUTS = [("grpo", 2, 1, 2), ("grpo", 1, 2, 2), ("grpo", 1, 1, 2), ("gae", 2, 1, 2), ("gae", 1, 2, 2), ("gae", 1, 1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator,tp,pp,nproc", LAYOUTS)
+def test_torchrun_layouts(tmp_path, estimator, tp, pp, nproc):
+    _torchrun(tmp_path, nproc, [f"algorithm.adv_estimator={estimator}", f"parallel.tensor_model_parallel_size={tp}",
+                                f"parallel.pipeline_model_parallel_size={pp}", "trainer.total_training_steps=2"])
+    scalars = read_scalars(tmp_path)
+    assert set(scalars["actor/pg_loss"]) == {1, 2}
+    if estimator == "gae":
+        assert "critic/vf_loss" in scalars and "critic/values/mean" in scalars
+
+
+@pytest.mark.slow
+def test_dp2_first_step_equals_dp1(tmp_path):
+    for name, world in (("dp1", 1), ("dp2", 2)):
+        run_distributed(_train, world, TINY, _overrides(tmp_path / name, [
+            "algorithm.adv_estimator=gae", "trainer.total_training_steps=1"]))
+    one, two = read_scalars(tmp_path / "dp1"), read_scalars(tmp_path / "dp2")
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "critic/vf_loss", "critic/score/mean",
+                "actor/grad_norm", "critic/grad_norm", "critic/advantages/mean"):
+        assert abs(one[key][1] - two[key][1]) <= 1e-5 * max(1.0, abs(one[key][1])), (key, one[key][1], two[key][1])
+
+
+METRIC_NAMES = [f"timing_s/{k}" for k in ("gen", "old_log_prob", "ref", "values", "adv", "update_critic",
+                                          "update_actor", "update_weights", "step")] + [
+    "perf/throughput", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+    "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/score/mean", "critic/rewards/mean",
+    "critic/advantages/mean", "critic/returns/mean", "critic/values/mean", "response_length/mean",
+    "response_length/max", "response_length/clip_ratio", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
+    common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.save_freq=4",
+              "trainer.test_freq=4"]
+    run_distributed(_train, 1, TINY, _overrides(tmp_path / "full", common + ["trainer.total_training_steps=8"]))
+    run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=4"]))
+    run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=8"]))
+    full, part = read_scalars(tmp_path / "full"), read_scalars(tmp_path / "part")
+    missing = [n for n in METRIC_NAMES if n not in full]
+    assert not missing, f"metrics missing from TensorBoard: {missing}"
+    assert any(k.startswith("val/") and k.endswith("/acc") for k in full)
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean", "actor/grad_norm", "actor/ppo_kl"):
+        for step in range(5, 9):
+            assert full[key][step] == part[key][step], (key, step, full[key][step], part[key][step])
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_message(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
+        + _overrides(tmp_path, ["actor.optim.lr=1e30", "actor.optim.clip_grad=0", "trainer.total_training_steps=4",
+                                "trainer.save_freq=1", "trainer.logger=[console]"]),
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "step 2" in proc.stderr and "not finite" in proc.stderr and "Traceback" not in proc.stderr
+    from hybridrl.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(str(tmp_path / "ckpt"), 2, 0)
+    assert ckpt.latest().endswith("global_step_1")
+    state, meta = ckpt.load(ckpt.latest())
+    assert meta["step"] == 1 and "actor" in state
