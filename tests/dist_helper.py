@@ -6,6 +6,7 @@ environment variables, initialises torch.distributed (gloo) and hybridrl's CPU p
 """
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -31,7 +32,11 @@ def _worker(rank, world_size, port, fn, args, results):
 
         distributed.init_distributed(timeout_s=120)
         out = fn(*args)
-        results.put((rank, "ok", out))
+        # Bytes, not tensors: tensors sent through a Queue live in this process's shared memory,
+        # which is gone if it exits before the parent has read them.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report everything, including SystemExit from the body
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -88,4 +93,6 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     if errors:
         rank = min(errors)
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
-    return [outputs[r] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(outputs[r]), weights_only=False) for r in range(world_size)]

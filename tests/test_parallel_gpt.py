@@ -65,9 +65,12 @@ def _forward_backward(model, tokens, grad_weights, groups):
             return (logits * w).sum(), {"logits": logits.detach()}
         return out, loss_func
 
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model], num_microbatches=1,
-        seq_length=S, micro_batch_size=B, forward_only=False)
+    from hybridrl.parallel.cpu_compat import cuda_to_cpu
+
+    with cuda_to_cpu():
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model], num_microbatches=1,
+            seq_length=S, micro_batch_size=B, forward_only=False)
     return losses[0]["logits"] if groups.is_last_stage else None
 
 

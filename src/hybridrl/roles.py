@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hybridrl.config import Config
 from hybridrl.models.gpt import GPTSpec
+from hybridrl.parallel.cpu_compat import cuda_to_cpu
 from hybridrl.parallel.distributed import ParallelGroups
 from hybridrl.workers.actor import ActorWorker, LogProbWorker
 from hybridrl.workers.critic import CriticWorker
@@ -58,7 +59,8 @@ def _trainable(module, cfg: Config):
     config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-    return DistributedDataParallel(config, ddp_config, module)
+    with cuda_to_cpu():
+        return DistributedDataParallel(config, ddp_config, module)
 
 
 def _frozen(module):

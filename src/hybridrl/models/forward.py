@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from hybridrl.parallel.cpu_compat import cuda_to_cpu
+
 
 def causal_padding_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     """[B, S] (1 = token, 0 = padding) -> megatron's bool [B, 1, S, S] mask, True = masked.
@@ -54,7 +56,7 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
         return out, lambda output: loss_fn(output, mb)
 
     context = torch.no_grad() if forward_only else torch.enable_grad()
-    with context:
+    with context, cuda_to_cpu():
         return list(get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
             num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only))

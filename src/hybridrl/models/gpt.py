@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridrl.parallel.cpu_compat import cuda_to_cpu
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,20 +75,21 @@ def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, tp, pp, dtype, **config_overrides)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=spec.padded_vocab_size(tp),
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp - 1,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        # an integral base stays an int, as megatron types it; the frequencies are identical
-        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
-        rope_scaling=spec.rope_scaling_factor > 0,
-        rope_scaling_factor=spec.rope_scaling_factor or 8.0,
-    )
+    with cuda_to_cpu():  # tied embeddings at PP>1 call .cuda() on the output copy
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=spec.padded_vocab_size(tp),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == pp - 1,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            # an integral base stays an int, as megatron types it; the frequencies are identical
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor > 0,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        )
     if not torch.cuda.is_available():
         return model
     return model.cuda()

@@ -37,7 +37,8 @@ _LAYER_MAP = {
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
 }
-EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM, OUTPUT = "decoder.final_layernorm.weight", "output_layer.weight"
 HF_EMBEDDING, HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _TOP_MAP = {EMBEDDING: (HF_EMBEDDING,), FINAL_NORM: ("model.norm.weight",), OUTPUT: (HF_LM_HEAD,)}
 
@@ -144,7 +145,8 @@ def hf_shapes(spec: GPTSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
                  "mlp.gate_proj.weight": (i_size, h), "mlp.up_proj.weight": (i_size, h),
                  "mlp.down_proj.weight": (h, i_size)}
     if spec.qkv_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
     shapes = {HF_EMBEDDING: (spec.vocab_size, h)}
     for layer in range(spec.num_layers):
         shapes.update({f"model.layers.{layer}.{k}": s for k, s in per_layer.items()})

@@ -12,12 +12,15 @@ Patches (verified against megatron-core 0.16.1, torch 2.13.0 CPU):
 3. The CUDA RNG tracker (`model_parallel_cuda_manual_seed`, `get_cuda_rng_tracker().fork()`) reads
    and writes CUDA generator state; routed to the CPU default generator, so a forked state still
    drives CPU random ops (dropout) and TP ranks keep distinct streams.
-4. Explicit `device="cuda"` tensors in the pipeline schedules (`total_num_tokens`), the grad scaler
-   and DDP's warm-up tensor, plus `torch.cuda.synchronize()` after p2p ops: a TorchFunctionMode that
-   maps "cuda" devices to CPU, entered once for the process, and a no-op synchronize.
+4. Explicit `device="cuda"` tensors in the pipeline schedules (`total_num_tokens`) and in DDP's
+   buffers, plus `torch.cuda.synchronize()` after p2p ops: `cuda_to_cpu()`, a TorchFunctionMode that
+   maps "cuda" devices to CPU, entered only around schedule calls and DDP construction (it costs
+   ~25% of a tiny model's forward, so the rollout's plain forwards run without it), and a no-op
+   synchronize.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -93,6 +96,15 @@ def apply() -> bool:
     torch.cuda.synchronize = lambda device=None: None
     _patch_masks()
     _patch_rng()
-    CudaToCpuMode().__enter__()  # process-wide: megatron-core has literal device="cuda" tensors
     _APPLIED = True
     return True
+
+
+@contextlib.contextmanager
+def cuda_to_cpu():
+    """Map explicit "cuda" devices to CPU inside the block; a plain pass-through when CUDA exists."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with CudaToCpuMode():
+        yield

@@ -11,19 +11,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
+from hybridrl.models.forward import pipeline_forward
 from hybridrl.parallel.distributed import ParallelGroups
-
-
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] validity → [B, 1, T, T] bool, True where attention is NOT allowed."""
-    T = attention_mask.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal[None] & attention_mask.bool()[:, None, :]
-    return ~allowed[:, None]
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def split_micro_batches(batch: Dict[str, torch.Tensor], micro_size: int) -> List[Dict[str, torch.Tensor]]:
@@ -62,21 +51,7 @@ class ModelEngine:
         schedule divides the loss by the number of micro-batches before backward. Returns the
         per-micro-batch stats dicts on every rank.
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        data = iter(micro_batches)
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            mask = mb["attention_mask"]
-            out = model(mb["input_ids"], position_ids_from_mask(mask), causal_padding_mask(mask))
-            return out, lambda output: loss_fn(output, mb)
-
-        first = micro_batches[0]["input_ids"]
-        stats = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=[self.module],
-            num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
-            forward_only=forward_only)
+        stats = pipeline_forward(self.module, micro_batches, loss_fn, forward_only)
         return self._from_last_stage(stats if self.groups.is_last_stage else None)
 
     def _from_last_stage(self, obj):
