@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hybridrl import algos
 from hybridrl.config import Config
+from hybridrl.offload import Offloader
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, gather_dp, local_slice, pad_columns
@@ -38,6 +39,9 @@ class PPOTrainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timer = StageTimer()
+        self.offloaders = [Offloader(w.engine.module, w.optimizer, off) for w, off in
+                           ((self.actor, cfg.actor.offload), (self.critic, cfg.critic.offload))
+                           if w is not None and (off.params or off.grads or off.optimizer)]
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self, prompts, step: int, update: bool = True) -> Dict[str, float]:
@@ -84,10 +88,14 @@ class PPOTrainer:
     def generate(self, prompts, sampling: SamplingParams, step: int) -> Dict[str, torch.Tensor]:
         """Responses for this rank's prompts, padded to max_response_length."""
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)]
+        for offloader in self.offloaders:  # hybrid engine: training state leaves the device
+            offloader.offload()
         self.rollout.wake_up()
         out = self.rollout.generate(ids, sampling, prompt_seeds(sampling.seed, step, prompts.index))
         if self.cfg.rollout.free_cache_engine:
             self.rollout.sleep()
+        for offloader in self.offloaders:
+            offloader.onload()
         R = self.cfg.data.max_response_length
         responses = pad_columns(out.responses, R, self.tok.pad_token_id)
         mask = pad_columns(out.response_mask.float(), R, 0.0)

@@ -104,7 +104,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
         writer.log(trainer.validate(val_loader), 0)
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
-    profile_steps = []
+    profile_steps, rewards = [], []
     for step in range(start + 1, total + 1):
         prompts = next(batches)
         try:
@@ -115,6 +115,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
         if val_loader is not None and tc.test_freq > 0 and (step % tc.test_freq == 0 or step == total):
             metrics.update(trainer.validate(val_loader))
         metrics["training/global_step"] = step
+        rewards.append(metrics["critic/score/mean"])
         writer.log(metrics, step, CONSOLE_KEYS + tuple(k for k in metrics if k.startswith("val/")))
         if profile:
             print0(_profile_line(step, metrics))
@@ -124,6 +125,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
                       {"data": train_loader.state_dict(), "kl_coef": trainer.kl_ctrl.value})
         bar.update(1)
     bar.close()
+    _print_reward_trend(rewards)
     if profile and profile_steps:
         _print_profile_average(profile_steps)
     if tc.export_hf_dir:
@@ -143,6 +145,16 @@ def _resume(trainer, ckpt: CheckpointManager, loader, resume_mode: str) -> int:
     trainer.sync_rollout_weights()
     print0(f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
+
+
+def _print_reward_trend(rewards) -> None:
+    """The demo's headline: mean reward over the first and last 10% of this run's steps."""
+    if len(rewards) < 2:
+        return
+    k = max(1, len(rewards) // 10)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    ratio = f"{last / first:.1f}x" if first > 0 else "from 0"
+    print0(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({ratio})")
 
 
 def _progress(total: int, start: int, enabled: bool):

@@ -1,0 +1,160 @@
+"""The rollout-engine protocol and the sampling rules every engine shares.
+
+An engine turns prompts into responses plus the log-prob of each sampled token under
+log_softmax(logits / T) over the full vocabulary (greedy, T = 0: log_softmax(logits)), which is what
+the actor recomputes. Sampling is layout-independent: sample j of prompt i draws all its randomness
+from its own generator seeded from (prompt_seeds[i], j), so batch composition, DP size and TP size
+never change what is sampled. This module holds no model code and no torch.distributed.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of tokens whose probability mass is >= top_p."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) disables."""
+    max_new_tokens: int = 16
+    """Longest response in tokens (also the width R of the returned tensors)."""
+    stop_token_ids: tuple = ()
+    """Tokens that end a response (included in it); the engine's eos_id is added to these."""
+    seed: int = 0
+    """Default prompt seeds are seed + prompt index."""
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams needs n >= 1 and max_new_tokens >= 1, got {self}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams needs temperature >= 0 and 0 < top_p <= 1, got {self}")
+
+
+@dataclass
+class RolloutOutput:
+    responses: torch.Tensor
+    """LongTensor [N*n, R], right-padded with pad_id; row i*n + j is sample j of prompt i."""
+    response_mask: torch.Tensor
+    """float [N*n, R]: 1 on generated tokens (the stop token included), 0 on padding."""
+    log_probs: torch.Tensor
+    """float [N*n, R]: log_softmax(logits / T)[token] of each sampled token, 0 on padding."""
+    stats: dict = field(default_factory=dict)
+    """Engine counters (e.g. rollout/forward_tokens, rollout/generated_tokens)."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 prompt_seeds: list[int] | None = None) -> RolloutOutput: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """HF-named full tensors in; {hf_name: weight_checksum(tensor)} of what was received out."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+# ---- seeds and per-row randomness -----------------------------------------------------------------
+
+def sample_seed(prompt_seed: int, sample_index: int) -> int:
+    """A 63-bit seed for sample `sample_index` of a prompt (splitmix64 of the pair)."""
+    x = ((prompt_seed & _MASK64) * 0x9E3779B97F4A7C15 + sample_index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def expand_requests(prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                    prompt_seeds: list[int] | None = None) -> list[tuple[list[int], int]]:
+    """(prompt, seed) per output row, prompt-major: row i*n + j is sample j of prompt i."""
+    if prompt_seeds is None:
+        prompt_seeds = [sampling.seed + i for i in range(len(prompt_token_ids))]
+    if len(prompt_seeds) != len(prompt_token_ids):
+        raise ValueError(f"{len(prompt_seeds)} prompt_seeds for {len(prompt_token_ids)} prompts")
+    for i, p in enumerate(prompt_token_ids):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+    return [(list(p), sample_seed(s, j)) for p, s in zip(prompt_token_ids, prompt_seeds)
+            for j in range(sampling.n)]
+
+
+def row_generators(seeds: list[int], device) -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+# ---- filtering and sampling -----------------------------------------------------------------------
+
+def filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits/T [B, V] with everything outside top-k, then outside the top-p nucleus, set to -inf."""
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True, stable=True)
+        # a token stays when the mass strictly before it is < top_p: the smallest set reaching top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def gumbel_noise(generators: list[torch.Generator], vocab: int, device) -> torch.Tensor:
+    """[B, V] Gumbel(0, 1) noise, row b drawn from generators[b] only (one draw of V per step)."""
+    u = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
+    return -torch.log(-torch.log(u))
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]):
+    """(tokens [B], log_probs [B]) from fp32 logits [B, V] over the true vocabulary."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        filtered = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
+        # Gumbel-max: argmax(x + G) is an exact sample of softmax(x), driven by the row's generator
+        tokens = (filtered + gumbel_noise(generators, logits.shape[-1], logits.device)).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def pack_output(tokens: list[list[int]], log_probs: list[list[float]], width: int, pad_id: int,
+                stats: dict | None = None) -> RolloutOutput:
+    """Right-pad per-row token / log-prob lists into the tensors of a RolloutOutput."""
+    rows = len(tokens)
+    responses = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, width)
+    logp = torch.zeros(rows, width)
+    for r, (toks, lps) in enumerate(zip(tokens, log_probs)):
+        responses[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+        mask[r, :len(toks)] = 1.0
+        logp[r, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutOutput(responses, mask, logp, dict(stats or {}))
+
+
+# ---- weight checksums (both ends of the verified handoff) -------------------------------------------
+
+_CHUNK_ELEMS = 1 << 24  # bounds the host copy when hashing a GPU tensor
+
+
+def weight_checksum(t: torch.Tensor) -> str:
+    """blake2b of dtype, shape and raw bytes: equal iff the tensors are bit-identical."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    flat = t.detach().contiguous().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK_ELEMS):
+        chunk = flat[start:start + _CHUNK_ELEMS].cpu()
+        h.update(chunk.view(torch.uint8).numpy().data)
+    return h.hexdigest()

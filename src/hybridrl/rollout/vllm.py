@@ -1,0 +1,159 @@
+"""RolloutEngine over vLLM's offline `LLM` API (follows vLLM 0.10's V1 engine; older versions refused).
+
+One LLM per torchrun rank with `distributed_executor_backend="external_launcher"` (vLLM's torchrun
+mode: the engine core and its single worker live in this process, TP groups are formed over the
+existing torch.distributed world), `enable_sleep_mode=True` and `load_format="dummy"` when the
+trainer streams the weights in. Weight updates go through `LLM.collective_rpc(fn, args=...)`, which
+calls `fn(worker, ...)` in the worker; there the model's own `load_weights(iterable of (HF name,
+full tensor))` shards them for vLLM's TP. Sampling uses one request per (prompt, sample) with the
+per-sample seed from `base.sample_seed`, `n=1`, `logprobs=0` (the sampled token's log-prob).
+vLLM reports raw log-probs (`logprobs_mode="raw_logprobs"`, before temperature), which equal
+log_softmax(logits / T) for T in {0, 1}; at other temperatures recompute them with the actor.
+vLLM's sampler differs from the native engine's, so samples match only in distribution.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import warnings
+from typing import Iterable
+
+import torch
+
+from hybridrl.config import RolloutConfig
+from hybridrl.models.gpt import GPTSpec
+from hybridrl.models.hf_config import hf_config_from_spec
+from hybridrl.reshard import join_requests, new_rollout_groups
+from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output, weight_checksum
+
+MIN_VLLM_VERSION = (0, 10, 0, 1)
+INSTALL_HINT = "pip install -r requirements-gpu.txt"
+SLEEP_TAGS = ("weights", "kv_cache")  # what LLM.wake_up(tags=...) can wake separately
+
+
+def _version_tuple(version: str) -> tuple:
+    """(major, minor, patch, final) of e.g. "0.10.1", "0.11.0rc2", "0.10.2+cu128"; final is 0 for
+    pre-releases and dev builds (0.10.0rc1 < 0.10.0 < 0.10.1.dev3); (0, 0, 0, 0) if unreadable."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?(.*)", version)
+    if not m:
+        return (0, 0, 0, 0)
+    final = 0 if re.match(r"\.?(rc|a|b|dev|pre)", m.group(4)) else 1
+    return tuple(int(g or 0) for g in m.groups()[:3]) + (final,)
+
+
+def import_vllm():
+    """The vllm module, or a clear error: not installed, or older than the API this adapter follows."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"rollout.name=vllm needs vLLM (not installed here): {INSTALL_HINT}, "
+                          "or set rollout.name=native") from e
+    version = getattr(vllm, "__version__", "0")
+    if _version_tuple(version) < MIN_VLLM_VERSION:
+        need = ".".join(map(str, MIN_VLLM_VERSION[:3]))
+        raise ImportError(f"vLLM {version} is older than {need}, whose API hybridrl.rollout.vllm follows; "
+                          f"upgrade with {INSTALL_HINT}")
+    return vllm
+
+
+def load_weights_on_worker(worker, weights) -> dict:
+    """Runs inside the vLLM worker (via collective_rpc): checksum what arrived, then load it."""
+    weights = list(weights)
+    received = {name: weight_checksum(t) for name, t in weights}
+    worker.model_runner.model.load_weights(weights=iter(weights))
+    return received
+
+
+def dummy_model_folder(spec: GPTSpec, dtype: str = "bfloat16") -> str:
+    """A folder with only config.json for `spec`: vLLM builds the architecture, weights come later."""
+    folder = tempfile.mkdtemp(prefix="hybridrl_vllm_")
+    model_type = "qwen2" if spec.qkv_bias else "llama"
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config_from_spec(spec, model_type, dtype), f, indent=2)
+    return folder
+
+
+class VLLMEngine:
+    """vLLM behind the RolloutEngine protocol.
+
+    Built from `spec` + `cfg` (a `config.RolloutConfig`): the model folder defaults to a config-only
+    dummy folder and `load_format="dummy"` (the trainer streams the weights in). `llm=` wraps an
+    LLM built elsewhere instead. Token ids in and out: no tokenizer is loaded, so `eos_id` is passed
+    to vLLM as a stop token.
+    """
+
+    def __init__(self, spec: GPTSpec | None = None, cfg: RolloutConfig | None = None, pad_id: int = 0,
+                 eos_id: int | None = None, model_path: str | None = None, dtype: str = "bfloat16",
+                 max_model_len: int | None = None, load_format: str = "dummy", llm=None, **llm_kwargs):
+        self.pad_id, self.eos_id, self.groups, self._asleep = pad_id, eos_id, None, set()
+        if llm is not None:
+            self.llm, self.vllm = llm, None
+            return
+        cfg = cfg or RolloutConfig(name="vllm")
+        self.vllm = import_vllm()
+        # external_launcher runs the engine core in-process: collective_rpc then passes tensors by reference
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.llm = self.vllm.LLM(
+            model=model_path or dummy_model_folder(spec, dtype), load_format=load_format,
+            tensor_parallel_size=cfg.tensor_model_parallel_size, dtype=dtype, seed=cfg.seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            max_model_len=max_model_len or spec.max_position_embeddings, skip_tokenizer_init=True,
+            enable_sleep_mode=True, distributed_executor_backend="external_launcher", **llm_kwargs)
+        # vLLM forms its TP groups from consecutive ranks, as new_rollout_groups does
+        self.groups = new_rollout_groups(cfg.tensor_model_parallel_size)
+
+    def _sampling_params(self, sampling: SamplingParams, seed: int):
+        vllm = self.vllm if self.vllm is not None else import_vllm()
+        stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        return vllm.SamplingParams(
+            n=1, seed=seed, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+            logprobs=0, stop_token_ids=sorted(stops), detokenize=False)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 prompt_seeds: list[int] | None = None) -> RolloutOutput:
+        if sampling.temperature not in (0, 1):
+            warnings.warn("vLLM returns log-probs before temperature; recompute them with the actor "
+                          f"(temperature={sampling.temperature})", stacklevel=2)
+        if prompt_seeds is None:
+            prompt_seeds = [sampling.seed + i for i in range(len(prompt_token_ids))]
+        # every rank of a vLLM TP group must submit the same requests
+        joint, seeds, (lo, hi) = join_requests(prompt_token_ids, prompt_seeds, self.groups)
+        rows = expand_requests(joint, sampling, seeds)
+        prompts = [{"prompt_token_ids": p} for p, _ in rows]
+        params = [self._sampling_params(sampling, seed) for _, seed in rows]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens, log_probs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            tokens.append(ids)
+            log_probs.append([step[t].logprob for t, step in zip(ids, completion.logprobs or [])])
+        tokens, log_probs = tokens[lo * sampling.n:hi * sampling.n], log_probs[lo * sampling.n:hi * sampling.n]
+        return pack_output(tokens, log_probs, sampling.max_new_tokens, self.pad_id,
+                           {"rollout/generated_tokens": sum(len(t) for t in tokens)})
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """One bucket into the (single, in-process) worker; returns the worker's checksums.
+
+        Wakes only the weights of a sleeping engine first (the KV cache stays freed until generate).
+        """
+        self.wake_up(["weights"])
+        results = self.llm.collective_rpc(load_weights_on_worker, args=(list(weights),))
+        return results[0]
+
+    def sleep(self) -> None:
+        """Level 1: weights to host memory, KV cache discarded."""
+        if not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what is asleep among `tags` (default: weights and KV cache)."""
+        todo = [t for t in SLEEP_TAGS if t in self._asleep and (tags is None or t in tags)]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+

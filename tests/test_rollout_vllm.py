@@ -1,0 +1,119 @@
+"""vLLM adapter without vLLM: the install error, the version check, request/output conversion, weight RPC.
+
+A fake `vllm` module in sys.modules is used only for the version check. The adapter's weight path is
+also exercised on the real stream in test_reshard.py (test_vllm_adapter_receives_the_native_stream).
+"""
+import sys
+import types
+
+import pytest
+import torch
+
+from hybridrl.rollout import vllm as vllm_adapter
+from hybridrl.rollout.base import SamplingParams, sample_seed
+
+
+def test_missing_vllm_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install -r requirements-gpu\.txt"):
+        vllm_adapter.VLLMEngine(spec=None)
+
+
+@pytest.mark.parametrize("version", ["0.6.3", "0.9.2", "0.10.0rc1.dev5"])
+def test_old_vllm_is_refused_with_the_version(monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+    with pytest.raises(ImportError, match=rf"vLLM {version} is older than 0\.10\.0"):
+        vllm_adapter.VLLMEngine(spec=None)
+
+
+@pytest.mark.parametrize("version", ["0.10.0", "0.10.2+cu128", "0.11.1", "1.0.0"])
+def test_supported_versions_pass_the_check(monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+    assert vllm_adapter.import_vllm().__version__ == version
+
+
+class _FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _FakeLLM:
+    """Answers every request with three tokens derived from its seed; records calls."""
+
+    def __init__(self, stop=None):
+        self.requests, self.calls, self.stop = [], [], stop
+
+    def generate(self, prompts, params, use_tqdm=True):
+        outs = []
+        for prompt, p in zip(prompts, params):
+            self.requests.append((prompt["prompt_token_ids"], p))
+            ids = [p.seed % 97, len(prompt["prompt_token_ids"]), 5]
+            if self.stop in ids:
+                ids = ids[:ids.index(self.stop) + 1]
+            logprobs = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in enumerate(ids)]
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+        return outs
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    monkeypatch.setattr(vllm_adapter, "import_vllm", lambda: types.SimpleNamespace(SamplingParams=_FakeSamplingParams))
+    return vllm_adapter.VLLMEngine(llm=_FakeLLM(stop=5), pad_id=0, eos_id=2)
+
+
+def test_one_request_per_sample_with_its_own_seed(fake_engine):
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=0.9, top_k=-1, max_new_tokens=4, stop_token_ids=(7,), seed=3)
+    out = fake_engine.generate([[1, 2, 3], [4]], sampling, prompt_seeds=[10, 20])
+    reqs = fake_engine.llm.requests
+    assert [r[0] for r in reqs] == [[1, 2, 3], [1, 2, 3], [4], [4]]
+    assert [r[1].seed for r in reqs] == [sample_seed(10, 0), sample_seed(10, 1), sample_seed(20, 0), sample_seed(20, 1)]
+    p = reqs[0][1]
+    assert (p.n, p.logprobs, p.max_tokens, p.top_k, p.top_p, p.detokenize) == (1, 0, 4, -1, 0.9, False)
+    assert p.stop_token_ids == [2, 7]  # the engine's eos joins the caller's stop tokens
+    assert out.responses.shape == (4, 4)
+    assert out.responses[0].tolist() == [sample_seed(10, 0) % 97, 3, 5, 0]
+    assert out.response_mask[0].tolist() == [1, 1, 1, 0]
+    assert out.log_probs[0].tolist() == [-0.5, -1.0, -1.5, 0.0]
+
+
+def test_sleep_wake_and_weight_update_order(fake_engine):
+    fake_engine.llm.collective_rpc = lambda fn, args=(): fake_engine.llm.calls.append(("rpc", len(args[0]))) or [{}]
+    fake_engine.sleep()
+    fake_engine.sleep()  # already asleep: nothing more
+    fake_engine.load_weights([("model.norm.weight", torch.ones(2))])  # wakes the weights only
+    fake_engine.wake_up()  # before generate: the rest
+    fake_engine.wake_up()
+    assert fake_engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("rpc", 1), ("wake_up", ["kv_cache"])]
+
+
+def test_worker_side_load_checksums_what_arrived():
+    from hybridrl.rollout.base import weight_checksum
+
+    seen = []
+    model = types.SimpleNamespace(load_weights=lambda weights: seen.extend(weights))
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
+    bucket = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.arange(6.0).reshape(2, 3))]
+    got = vllm_adapter.load_weights_on_worker(worker, bucket)
+    assert [n for n, _ in seen] == ["model.norm.weight", "lm_head.weight"]
+    assert got == {n: weight_checksum(t) for n, t in bucket}
+    assert got["lm_head.weight"] != weight_checksum(torch.arange(6.0).reshape(3, 2))  # shape is part of it
+
+
+def test_dummy_folder_describes_the_spec(tmp_path):
+    import json
+
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.models.hf_config import spec_from_hf_config
+
+    spec = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=96, vocab_size=251, qkv_bias=True)
+    folder = vllm_adapter.dummy_model_folder(spec)
+    with open(f"{folder}/config.json") as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "qwen2" and spec_from_hf_config(cfg) == spec
