@@ -114,3 +114,24 @@ def test_nan_loss_stops_with_message(tmp_path):
     assert ckpt.latest().endswith("global_step_1")
     state, meta = ckpt.load(ckpt.latest())
     assert meta["step"] == 1 and "actor" in state
+
+
+@pytest.mark.slow
+def test_dry_run_and_profile(tmp_path):
+    import re
+
+    script = [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
+    dry = subprocess.run(script + ["--dry-run"] + _overrides(tmp_path, ["algorithm.adv_estimator=gae"]),
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    for fragment in ("actor/pg_loss", "critic/vf_loss", "critic/advantages/mean", "process groups",
+                     "memory per GPU", "Ready for real training"):
+        assert fragment in dry.stdout, fragment
+    assert not os.path.exists(tmp_path / "tb"), "a dry run writes no TensorBoard events"
+    prof = subprocess.run(script + ["--profile"] + _overrides(tmp_path / "p", [
+        "algorithm.adv_estimator=gae", "trainer.total_training_steps=2"]),
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert prof.returncode == 0, prof.stderr[-3000:]
+    line = r"Rollout: \d+ tokens/s \| Actor: \d+ tokens/s \| Critic: \d+ tokens/s \| Total: [\d.]+ s/step"
+    assert len(re.findall(r"\[STEP \d\] " + line, prof.stdout)) == 2
+    assert re.search(r"\[AVERAGE over 2 steps\] " + line, prof.stdout)

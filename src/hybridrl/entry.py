@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from hybridrl.config import ConfigError
 
@@ -20,7 +21,14 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+# megatron-core's notices about optional GPU extras, repeated per module on every rank.
+QUIET = (r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed.*", r".*full scope is deprecated.*",
+         r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+
+
 def main(argv=None) -> int:
+    for pattern in QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from hybridrl.config_io import load_config
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections import defaultdict
 from typing import Dict, Iterable
@@ -103,7 +104,10 @@ class MetricsWriter:
             self.tb.flush()
         if self.console:
             keys = console_keys or sorted(metrics)
-            print(f"step:{step} - " + " - ".join(f"{k}:{metrics[k]:.4g}" for k in keys if k in metrics), flush=True)
+            from tqdm import tqdm  # writes above an active progress bar instead of through it
+
+            tqdm.write(f"step:{step} - " + " - ".join(f"{k}:{metrics[k]:.4g}" for k in keys if k in metrics),
+                       file=sys.stdout)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -170,17 +170,17 @@ def _print_profile_average(steps) -> None:
 
 def _dry_run(trainer, loader, layout, cfg: Config) -> int:
     prompts = next(iter(loader))
+    params = {n: p.detach().clone() for n, p in trainer.actor.engine.module.named_parameters()}
     metrics = trainer.train_step(prompts, step=1, update=False)
     print0("dry run: one step of rollout, reward, log-probs, values, KL, advantages and losses (no update)")
     for key in sorted(metrics):
         print0(f"  {key}: {metrics[key]:.6g}")
-    print0(f"layout: {layout.describe()}")
-    try:
-        from hybridrl.planner import plan
+    from hybridrl.planner import plan
 
-        print0(plan(cfg, layout.world_size).render())
-    except ImportError:
-        pass
+    print0(plan(cfg, layout.world_size, vocab_size=trainer.roles.spec.vocab_size).render())
+    unchanged = all(torch.equal(p, params[n]) for n, p in trainer.actor.engine.module.named_parameters())
+    if not unchanged:
+        raise RuntimeError("dry run changed the actor's parameters")
     print0("Ready for real training")
     return 0
 

@@ -1,10 +1,12 @@
 """RolloutEngine over vLLM's offline `LLM` API (follows vLLM 0.10's V1 engine; older versions refused).
 
-One LLM per torchrun rank with `distributed_executor_backend="external_launcher"` (vLLM's torchrun
-mode: the engine core and its single worker live in this process, TP groups are formed over the
-existing torch.distributed world), `enable_sleep_mode=True` and `load_format="dummy"` when the
-trainer streams the weights in. Weight updates go through `LLM.collective_rpc(fn, args=...)`, which
-calls `fn(worker, ...)` in the worker; there the model's own `load_weights(iterable of (HF name,
+One LLM per torchrun rank with `distributed_executor_backend="external_launcher"`: vLLM's torchrun
+mode, where the engine core and its single worker live in this process (it requires
+VLLM_ENABLE_V1_MULTIPROCESSING=0) and TP groups of consecutive ranks are formed over the existing
+torch.distributed world, the groups acting as independent data-parallel replicas. Also
+`enable_sleep_mode=True`, `skip_tokenizer_init=True` (token ids in and out) and `load_format="dummy"`
+when the trainer streams the weights in. Weight updates go through `LLM.collective_rpc(fn, args=...)`,
+which calls `fn(worker, ...)` in the worker; there the model's own `load_weights(iterable of (HF name,
 full tensor))` shards them for vLLM's TP. Sampling uses one request per (prompt, sample) with the
 per-sample seed from `base.sample_seed`, `n=1`, `logprobs=0` (the sampled token's log-prob).
 vLLM reports raw log-probs (`logprobs_mode="raw_logprobs"`, before temperature), which equal
@@ -93,8 +95,8 @@ class VLLMEngine:
             return
         cfg = cfg or RolloutConfig(name="vllm")
         self.vllm = import_vllm()
-        # external_launcher runs the engine core in-process: collective_rpc then passes tensors by reference
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # external_launcher asserts an in-process engine core; collective_rpc then passes tensors by reference
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = self.vllm.LLM(
             model=model_path or dummy_model_folder(spec, dtype), load_format=load_format,
             tensor_parallel_size=cfg.tensor_model_parallel_size, dtype=dtype, seed=cfg.seed,
