@@ -51,17 +51,29 @@ def _torchrun(tmp, nproc, extra, timeout=300):
 
 
 LAYOUTS = [("grpo", 2, 1, 2), ("grpo", 1, 2, 2), ("grpo", 1, 1, 2), ("gae", 2, 1, 2), ("gae", 1, 2, 2), ("gae", 1, 1, 2)]
+# GRPO at PP=2 also exercises the KL loss with an offloaded reference, recomputation and HF export.
+EXTRAS = {("grpo", 1, 2): ["actor.use_kl_loss=true", "ref.offload_params=true", "parallel.recompute_activations=true",
+                           "actor.offload.optimizer=true", "actor.offload.grads=true", "model.tie_word_embeddings=false"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator,tp,pp,nproc", LAYOUTS)
 def test_torchrun_layouts(tmp_path, estimator, tp, pp, nproc):
+    extras = EXTRAS.get((estimator, tp, pp), [])
+    export = tmp_path / "hf_export"
     _torchrun(tmp_path, nproc, [f"algorithm.adv_estimator={estimator}", f"parallel.tensor_model_parallel_size={tp}",
-                                f"parallel.pipeline_model_parallel_size={pp}", "trainer.total_training_steps=2"])
+                                f"parallel.pipeline_model_parallel_size={pp}", "trainer.total_training_steps=2",
+                                f"trainer.export_hf_dir={export}"] + extras)
     scalars = read_scalars(tmp_path)
     assert set(scalars["actor/pg_loss"]) == {1, 2}
     if estimator == "gae":
         assert "critic/vf_loss" in scalars and "critic/values/mean" in scalars
+    if extras:
+        assert "actor/kl_loss" in scalars and "timing_s/ref" in scalars
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(export), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 @pytest.mark.slow

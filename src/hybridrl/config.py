@@ -363,8 +363,6 @@ class TrainerConfig:
     """Global seed of torch RNGs."""
     progress_bar: bool = True
     """Show a progress bar over steps (rank 0)."""
-    nan_check: bool = True
-    """Stop with a message naming the step and tensor when a loss or grad is not finite."""
 
     def __post_init__(self):
         _check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybridrl.config import Config
+from hybridrl.config import Config, OffloadConfig
+from hybridrl.offload import Offloader
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.parallel.cpu_compat import cuda_to_cpu
 from hybridrl.parallel.distributed import ParallelGroups
@@ -51,6 +52,13 @@ def init_model_folder(cfg: Config, vocab_size: int) -> str:
     return folder
 
 
+def training_overrides(cfg: Config) -> dict:
+    """TransformerConfig fields of the trainable roles: full activation recomputation on request."""
+    if not cfg.parallel.recompute_activations:
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 def _trainable(module, cfg: Config):
     """Wrap in megatron DDP (gradient buffers, DP all-reduce in finalize_model_grads)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -87,7 +95,8 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     folder = init_model_folder(cfg, tokenizer.vocab_size)
     dtype = cfg.model.params_dtype
     temperature = cfg.rollout.temperature
-    actor_model, spec = model_from_hf(folder, groups, dtype)
+    recompute = training_overrides(cfg)
+    actor_model, spec = model_from_hf(folder, groups, dtype, **recompute)
     actor_module = _trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
                                 cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)
@@ -96,9 +105,12 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model, _ = model_from_hf(folder, groups, dtype)
         ref = LogProbWorker(ModelEngine(_frozen(ref_model), groups), spec.vocab_size, temperature)
+        if cfg.ref.offload_params:
+            ref.offloader = Offloader(ref_model, None, OffloadConfig(params=True))
+            ref.offloader.offload()
     critic = None
     if cfg.algorithm.uses_critic:
-        critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, dtype, seed=cfg.model.seed)
+        critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, dtype, seed=cfg.model.seed, **recompute)
         critic_module = _trainable(critic_model, cfg)
         critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
                                      cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)

@@ -8,6 +8,7 @@ the same slice. Details live one level down: workers/, step_batch.py, roles.py, 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict
 
@@ -39,7 +40,7 @@ class PPOTrainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timer = StageTimer()
-        self.offloaders = [Offloader(w.engine.module, w.optimizer, off) for w, off in
+        self.offloaders = [Offloader(w.engine.module, w.optimizer.optimizer, off) for w, off in
                            ((self.actor, cfg.actor.offload), (self.critic, cfg.critic.offload))
                            if w is not None and (off.params or off.grads or off.optimizer)]
 
@@ -56,7 +57,7 @@ class PPOTrainer:
             batch["old_log_probs"], entropy = self.actor.compute_log_prob(
                 batch, cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
         if self.ref is not None:
-            with t("ref"):
+            with t("ref"), self.ref_on_device():
                 batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)
         if self.critic is not None:
             with t("values"):
@@ -78,6 +79,18 @@ class PPOTrainer:
         metrics.update(self.rollout_metrics(batch, entropy))
         metrics.update(t.metrics())
         return metrics
+
+    @contextlib.contextmanager
+    def ref_on_device(self):
+        """ref.offload_params: the frozen reference lives on the host except while it computes."""
+        offloader = self.ref.offloader
+        if offloader is not None:
+            offloader.onload()
+        try:
+            yield
+        finally:
+            if offloader is not None:
+                offloader.offload()
 
     def train_sampling(self) -> SamplingParams:
         r = self.cfg.rollout

@@ -73,7 +73,7 @@ def load_value_head(model, reader) -> str | None:
     return None
 
 
-def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: int = 0):
+def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: int = 0, **config_overrides):
     """(critic, spec, head_source): the trunk from an HF LM or reward-model folder.
 
     head_source is the reward head's HF name when the folder had one (then it initialises the
@@ -82,7 +82,7 @@ def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: in
     cfg = as_config_dict(hf_folder_or_config)
     spec = spec_from_hf_config(cfg)
     check_parallel_layout(spec, groups.tp, groups.pp)
-    model = build_critic(spec, groups.tp, groups.pp, groups.pp_rank, dtype, seed)
+    model = build_critic(spec, groups.tp, groups.pp, groups.pp_rank, dtype, seed, **config_overrides)
     if not (isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)):
         return model, spec, None
     folder = os.fspath(hf_folder_or_config)

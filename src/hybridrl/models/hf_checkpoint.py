@@ -178,12 +178,13 @@ def save_hf(folder: str, stream, hf_config_dict: dict, writer: bool | None = Non
     save_file(tensors, os.path.join(folder, SINGLE_FILE), metadata={"format": "pt"})
 
 
-def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32"):
-    """(model, spec): this rank's GPTModel chunk, loaded from an HF folder (random init for a config)."""
+def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", **config_overrides):
+    """(model, spec): this rank's GPTModel chunk, loaded from an HF folder (random init for a config).
+    `config_overrides` go to megatron's TransformerConfig (e.g. activation recomputation)."""
     cfg = as_config_dict(hf_folder_or_config)
     spec = spec_from_hf_config(cfg)
     check_parallel_layout(spec, groups.tp, groups.pp)
-    model = build_gpt(spec, groups.tp, groups.pp, groups.pp_rank, dtype)
+    model = build_gpt(spec, groups.tp, groups.pp, groups.pp_rank, dtype, **config_overrides)
     is_folder = isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)
     if is_folder:
         load_hf_into_mcore(model, os.fspath(hf_folder_or_config), spec, groups)

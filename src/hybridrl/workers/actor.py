@@ -38,6 +38,8 @@ class LogProbWorker:
 
     def __init__(self, engine: ModelEngine, vocab_size: int, temperature: float):
         self.engine, self.vocab_size, self.temperature = engine, vocab_size, temperature
+        self.offloader = None
+        """Set for a reference whose weights live on the host between uses (ref.offload_params)."""
 
     def _token_stats(self, output, mb, with_entropy: bool):
         R = mb["responses"].shape[1]

@@ -42,7 +42,7 @@ class CpuOptimizer:
     def __init__(self, module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.cfg, self.groups, self.total_steps = cfg, groups, total_steps
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                      weight_decay=cfg.weight_decay)
         self.step_count = 0
 
@@ -70,20 +70,20 @@ class CpuOptimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        for group in self.opt.param_groups:
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.opt.step()
+        self.optimizer.step()
         self.step_count += 1
         return True, norm, lr
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "step_count": self.step_count}
+        return {"opt": self.optimizer.state_dict(), "step_count": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["opt"])
+        self.optimizer.load_state_dict(state["opt"])
         self.step_count = state["step_count"]
 
 
@@ -97,25 +97,25 @@ class MegatronOptimizer:
                                adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
                                clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                                params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer)
-        self.opt = get_megatron_optimizer(ocfg, [module])
+        self.optimizer = get_megatron_optimizer(ocfg, [module])
         self.cfg, self.total_steps, self.step_count = cfg, total_steps, 0
 
     def step(self):
         lr = lr_at(self.step_count, self.cfg, self.total_steps)
-        for group in self.opt.param_groups:
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
-        updated, norm, _ = self.opt.step()
+        updated, norm, _ = self.optimizer.step()
         self.step_count += int(bool(updated))
         return bool(updated), float(norm if norm is not None else float("nan")), lr
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad()
+        self.optimizer.zero_grad()
 
     def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "step_count": self.step_count}
+        return {"opt": self.optimizer.state_dict(), "step_count": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["opt"])
+        self.optimizer.load_state_dict(state["opt"])
         self.step_count = state["step_count"]
 
 
