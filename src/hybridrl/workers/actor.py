@@ -6,15 +6,15 @@ split into micro-batches or DP shards.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
 from hybridrl import algos
 from hybridrl.config import ActorConfig
 from hybridrl.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
-from hybridrl.metrics import mean_of
-from hybridrl.workers.engine import ModelEngine, dp_sum, mini_batches, split_micro_batches
+from hybridrl.workers.engine import ModelEngine, mini_batches, split_micro_batches
+from hybridrl.workers.update import ppo_update
 
 
 def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
@@ -22,15 +22,6 @@ def response_logits(logits: torch.Tensor, response_len: int, temperature: float)
     T = logits.shape[1]
     out = logits[:, T - response_len - 1:T - 1]
     return out / temperature if temperature > 0 else out
-
-
-def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:
-    """Share of each micro-batch in the DP-global mini-batch normaliser."""
-    per_token = mode == "token-mean"
-    sizes = [float(mb["response_mask"].sum()) if per_token else float(mb["response_mask"].shape[0])
-             for mb in micro_batches]
-    total = dp_sum({"n": sum(sizes)}, engine.groups)["n"]
-    return [s / max(total, 1e-8) for s in sizes]
 
 
 class LogProbWorker:
@@ -101,35 +92,5 @@ class ActorWorker(LogProbWorker):
         self.engine.train(True)
         keys = [k for k in ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs",
                             "advantages", "ref_log_probs", "rollout_log_probs") if k in batch]
-        return mean_of(self._optimizer_step(mini, apply)
-                       for mini in mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs))
-
-    def _optimizer_step(self, mini: Dict[str, torch.Tensor], apply: bool) -> Dict[str, float]:
-        micro = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
-        weights = iter(global_weights(micro, self.cfg.loss_agg_mode, self.engine))
-        self.engine.zero_grad()
-        self.optimizer.zero_grad()
-        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), not apply)
-        return finish_step(self.engine, self.optimizer, stats, "actor", apply)
-
-
-def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True):
-    """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss)."""
-    summed = {}
-    for s in stats:
-        for k, v in s.items():
-            summed[k] = summed.get(k, 0.0) + float(v)
-    n_finite = summed.pop("finite")
-    metrics = dp_sum(summed, engine.groups)
-    finite = dp_sum({"f": n_finite, "n": float(len(stats))}, engine.groups)
-    if finite["f"] < finite["n"]:
-        bad = [k for k, v in metrics.items() if v != v or abs(v) == float("inf")]
-        raise FloatingPointError(f"{role} loss is not finite ({', '.join(bad) or 'loss'})")
-    if not apply:
-        return metrics
-    updated, grad_norm, lr = optimizer.step()
-    if not updated:
-        raise FloatingPointError(f"{role} gradient norm is not finite ({grad_norm})")
-    metrics[f"{role}/grad_norm"] = grad_norm
-    metrics[f"{role}/lr"] = lr
-    return metrics
+        return ppo_update(self.engine, self.optimizer, mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs),
+                          self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.loss_agg_mode, self._loss, "actor", apply)

@@ -7,9 +7,8 @@ import torch
 
 from hybridrl import algos
 from hybridrl.config import CriticConfig
-from hybridrl.workers.actor import finish_step, global_weights
-from hybridrl.metrics import mean_of
 from hybridrl.workers.engine import ModelEngine, mini_batches, split_micro_batches
+from hybridrl.workers.update import ppo_update
 
 
 def response_values(values: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -47,13 +46,5 @@ class CriticWorker:
     def update_critic(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, apply: bool = True):
         self.engine.train(True)
         keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
-        return mean_of(self._optimizer_step(mini, apply)
-                       for mini in mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs))
-
-    def _optimizer_step(self, mini: Dict[str, torch.Tensor], apply: bool) -> Dict[str, float]:
-        micro = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
-        weights = iter(global_weights(micro, self.cfg.loss_agg_mode, self.engine))
-        self.engine.zero_grad()
-        self.optimizer.zero_grad()
-        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), not apply)
-        return finish_step(self.engine, self.optimizer, stats, "critic", apply)
+        return ppo_update(self.engine, self.optimizer, mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs),
+                          self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.loss_agg_mode, self._loss, "critic", apply)

@@ -1,0 +1,59 @@
+"""The optimizer-step loop shared by actor and critic: mini-batches → micro-batches → one step each.
+
+Each micro-batch loss is weighted by its share of the DP-global mini-batch (tokens for
+token-mean, rows otherwise), so gradients and reported losses are independent of the split.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List
+
+import torch
+
+from hybridrl.metrics import mean_of
+from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
+
+
+def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:
+    """Share of each micro-batch in the DP-global mini-batch normaliser."""
+    per_token = mode == "token-mean"
+    sizes = [float(mb["response_mask"].sum()) if per_token else float(mb["response_mask"].shape[0])
+             for mb in micro_batches]
+    total = dp_sum({"n": sum(sizes)}, engine.groups)["n"]
+    return [s / max(total, 1e-8) for s in sizes]
+
+
+def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], micro_size: int,
+               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True) -> Dict[str, float]:
+    """One optimizer step per mini-batch; `loss_fn(output, mb, weight, n_micro) -> (loss, stats)`.
+    apply=False runs the same forwards without backward or step (the dry run)."""
+    history = []
+    for mini in minis:
+        micro = split_micro_batches(mini, micro_size)
+        weights = iter(global_weights(micro, agg_mode, engine))
+        engine.zero_grad()
+        optimizer.zero_grad()
+        stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(weights), len(micro)), not apply)
+        history.append(finish_step(engine, optimizer, stats, role, apply))
+    return mean_of(history)
+
+
+def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True):
+    """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss)."""
+    summed = {}
+    for s in stats:
+        for k, v in s.items():
+            summed[k] = summed.get(k, 0.0) + float(v)
+    n_finite = summed.pop("finite")
+    metrics = dp_sum(summed, engine.groups)
+    finite = dp_sum({"f": n_finite, "n": float(len(stats))}, engine.groups)
+    if finite["f"] < finite["n"]:
+        bad = [k for k, v in metrics.items() if v != v or abs(v) == float("inf")]
+        raise FloatingPointError(f"{role} loss is not finite ({', '.join(bad) or 'loss'})")
+    if not apply:
+        return metrics
+    updated, grad_norm, lr = optimizer.step()
+    if not updated:
+        raise FloatingPointError(f"{role} gradient norm is not finite ({grad_norm})")
+    metrics[f"{role}/grad_norm"] = grad_norm
+    metrics[f"{role}/lr"] = lr
+    return metrics
