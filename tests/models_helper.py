@@ -86,22 +86,3 @@ def mcore_logits(model, spec, groups, batch) -> torch.Tensor | None:
         return None
     full = gather_vocab(outs[0]["output"], groups)[..., :spec.vocab_size]
     return full if groups.tp_rank == 0 else None
-
-
-def pack(obj) -> bytes:
-    """Worker results as bytes: tensors sent through the result queue as shared memory can be
-    lost when the worker exits before the parent reads them (a race in fd passing)."""
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def run_packed(fn, world_size, *args):
-    """`run_distributed` for a worker that returns `pack(...)`; unpacked per rank."""
-    import io
-
-    from dist_helper import run_distributed
-
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(fn, world_size, *args)]

@@ -3,7 +3,9 @@ and reproduces transformers' per-token scores; gradients flow through the pipeli
 import pytest
 import torch
 
-from models_helper import pack, ragged_batch, reinit_parallel, run_packed
+from dist_helper import run_distributed
+
+from models_helper import ragged_batch, reinit_parallel
 
 from hybridrl.models.hf_checkpoint import random_hf_model_folder
 
@@ -38,7 +40,7 @@ def _critic_run(folders):
                 head = model.output_layer.value_head
                 out[(tp, pp, kind)] = dict(values=res[0]["values"], source=source, weight=head.weight.detach(),
                                            grad=head.weight.grad.clone(), dtype=res[0]["values"].dtype)
-    return pack(out)
+    return out
 
 
 def _hf_token_scores(folder, batch):
@@ -55,7 +57,7 @@ def _hf_token_scores(folder, batch):
 @pytest.mark.distributed
 def test_critic_layouts_agree_and_reward_head_is_used(folders):
     merged = {}
-    for r in run_packed(_critic_run, 2, folders):
+    for r in run_distributed(_critic_run, 2, folders):
         merged.update(r)
     assert set(merged) == {(tp, pp, k) for tp, pp in LAYOUTS for k in folders}
     batch = ragged_batch(251)

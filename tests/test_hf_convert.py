@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from models_helper import (CASES, hf_logits, make_folders, mcore_logits, pack, ragged_batch, reinit_parallel,
-                           run_packed)
+from dist_helper import run_distributed
+
+from models_helper import (CASES, hf_logits, make_folders, mcore_logits, ragged_batch, reinit_parallel)
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.hf_checkpoint import SafetensorsReader
@@ -55,14 +56,14 @@ def _small_layouts_run(folders, layouts):
                 results[(tp, pp, name)] = logits
             if (tp, pp) == (1, 1):
                 results[("inv_freq", name)] = model.rotary_pos_emb.inv_freq.clone()
-    return pack(results)
+    return results
 
 
 @pytest.mark.distributed
 def test_logits_match_transformers_tp_pp_up_to_2(folders, references):
     layouts = [(1, 1), (2, 1), (1, 2)]
     merged = {}
-    for r in run_packed(_small_layouts_run, 2, folders, layouts):
+    for r in run_distributed(_small_layouts_run, 2, folders, layouts):
         merged.update(r)
     inv_freq = {k[1]: merged.pop(k) for k in list(merged) if k[0] == "inv_freq"}
     expected = {(tp, pp, n) for tp, pp in layouts for n in folders if tp == 1 or CASES[n][1]}
@@ -111,7 +112,7 @@ def _tp2pp2_run(folders, out_root, offline_root):
         same = all(torch.equal(a, b) for a, b in zip(weight_state(fresh).values(), weight_state(model).values()))
         res[name] = dict(logits=logits, unequal=unequal, yielded=yielded, offline_equal=same)
     dist.barrier()
-    return pack(res)
+    return res
 
 
 @pytest.mark.distributed
@@ -124,7 +125,7 @@ def test_tp2_pp2_logits_round_trip_and_export(folders, references, tmp_path):
     offline = tmp_path / "offline"
     for name in ("qwen2", "llama_tied"):
         hf_folder_to_mcore(folders[name], str(offline / name), tp=2, pp=2)
-    outs = run_packed(_tp2pp2_run, 4, folders, str(tmp_path / "out"), str(offline))
+    outs = run_distributed(_tp2pp2_run, 4, folders, str(tmp_path / "out"), str(offline))
     for name in ("qwen2", "llama_tied"):
         per_rank = [o[name] for o in outs]
         got = [r["logits"] for r in per_rank if r["logits"] is not None]

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from models_helper import pack, run_packed
+from dist_helper import run_distributed
+
 
 from hybridrl.models.logprobs import shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs
 
@@ -42,14 +43,14 @@ def _tp2_run(temperature):
     rank = dist.get_rank()
     logits, labels, w_lp, w_ent = _data()
     local = logits.chunk(2, dim=-1)[rank]
-    return pack(_ours(local, labels, w_lp, w_ent, dist.group.WORLD, temperature))
+    return _ours(local, labels, w_lp, w_ent, dist.group.WORLD, temperature)
 
 
 @pytest.mark.distributed
 def test_tp2_matches_full_vocab_float64_reference():
     logits, labels, w_lp, w_ent = _data()
     ref_lp, ref_ent, ref_grad = _reference(logits, labels, w_lp, w_ent, T)
-    outs = run_packed(_tp2_run, 2, T)
+    outs = run_distributed(_tp2_run, 2, T)
     for lp, ent, _ in outs:
         torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
         torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
