@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from hybridrl.parallel.cpu_compat import cuda_to_cpu
+from hybridrl.parallel.cpu_compat import cuda_to_cpu, without_cuda_mode
 
 
 def causal_padding_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
@@ -52,7 +52,8 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
         mb = next(data_iterator)
         pos = mb.get("position_ids")
         pos = torch.arange(s).unsqueeze(0).expand(b, s) if pos is None else pos
-        out = chunk(mb["input_ids"], pos, causal_padding_mask(mb.get("attention_mask"), s))
+        with without_cuda_mode():
+            out = chunk(mb["input_ids"], pos, causal_padding_mask(mb.get("attention_mask"), s))
         return out, lambda output: loss_fn(output, mb)
 
     context = torch.no_grad() if forward_only else torch.enable_grad()
