@@ -53,7 +53,7 @@ def _torchrun(tmp, nproc, extra, timeout=300):
 LAYOUTS = [("grpo", 2, 1, 2), ("grpo", 1, 2, 2), ("grpo", 1, 1, 2), ("gae", 2, 1, 2), ("gae", 1, 2, 2), ("gae", 1, 1, 2)]
 # GRPO at PP=2 also exercises the KL loss with an offloaded reference, recomputation and HF export.
 EXTRAS = {("grpo", 1, 2): ["actor.use_kl_loss=true", "ref.offload_params=true", "parallel.recompute_activations=true",
-                           "actor.offload.optimizer=true", "actor.offload.grads=true", "model.tie_word_embeddings=false"]}
+                           "actor.offload.optimizer=true", "actor.offload.grads=true", "actor.offload.params=true", "model.tie_word_embeddings=false"]}
 
 
 @pytest.mark.slow

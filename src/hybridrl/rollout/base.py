@@ -155,6 +155,8 @@ def weight_checksum(t: torch.Tensor) -> str:
     h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
     flat = t.detach().contiguous().reshape(-1)
     for start in range(0, flat.numel(), _CHUNK_ELEMS):
-        chunk = flat[start:start + _CHUNK_ELEMS].cpu()
+        # always a copy: .numpy() on a view of the live storage would pin it as non-resizable,
+        # which breaks offloading that storage later (TensorStash shrinks and regrows it)
+        chunk = flat[start:start + _CHUNK_ELEMS].to("cpu", copy=True)
         h.update(chunk.view(torch.uint8).numpy().data)
     return h.hexdigest()

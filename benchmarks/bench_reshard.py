@@ -1,0 +1,146 @@
+"""Weight handoff bandwidth: `reshard.update_engine_weights` vs a memcpy of the same bytes.
+
+Two gloo processes hold the training model at TP=2 (then PP=2); each streams it into its own
+NativeEngine at rollout TP 1. In the same processes, in alternation with the handoffs, a memcpy of
+the same number of bytes (torch.empty + copy_ from a same-size buffer) is timed; the ratio of the
+medians is the handoff's share of memcpy bandwidth. The handoff runs as the trainer runs it
+(verify=True: blake2b checksums on both ends) and without verification. The peak extra memory the
+HandoffReport measured (LiveTensorMeter) is compared with its bound, one bucket + largest tensor.
+
+    .venv/bin/python benchmarks/bench_reshard.py [--reps 3] [--models small,medium] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+
+import benchlib as bl
+
+LAYOUTS = ((2, 1), (1, 2))  # (tp, pp) of the training model, world 2
+BUCKETS_MB = (2, 64)
+MODELS = {"small": {},  # the bench model, ~10 MB fp32
+          "medium": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, vocab_size=8192)}
+
+
+def reinit_parallel(tp: int, pp: int):
+    """Fresh megatron parallel_state with a new (tp, pp) layout inside one launch."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    return init_model_parallel(tp, pp)
+
+
+def _memcpy_seconds(src) -> float:
+    import torch
+
+    seconds, _ = bl.timed(lambda: torch.empty_like(src).copy_(src))
+    return seconds
+
+
+def body(folder: str, reps: int) -> dict:
+    """Per rank: {(tp, pp, bucket_mb, verify): {"handoff": [s], "memcpy": [s], "report": last}}."""
+    import torch
+
+    from hybridrl.models.hf_checkpoint import model_from_hf
+    from hybridrl.reshard import update_engine_weights
+    from hybridrl.rollout.native import NativeEngine
+
+    out = {}
+    for tp, pp in LAYOUTS:
+        groups = reinit_parallel(tp, pp)
+        model, spec = model_from_hf(folder, groups)
+        engine = NativeEngine(spec, 1)
+        warm = update_engine_weights(engine, model, spec, groups, BUCKETS_MB[-1])
+        src = torch.ones(warm.total_bytes, dtype=torch.uint8)
+        _memcpy_seconds(src)
+        for _ in range(reps):
+            for bucket_mb in BUCKETS_MB:
+                for verify in (True, False):
+                    cell = out.setdefault((tp, pp, bucket_mb, verify), {"handoff": [], "memcpy": []})
+                    report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify)  # A
+                    cell["memcpy"].append(_memcpy_seconds(src))  # B, same bytes, same process
+                    cell["handoff"].append(report.seconds)
+                    cell["report"] = report
+        del model, engine, src
+    return out
+
+
+def _rows(name: str, res: dict):
+    speed, memory = [], []
+    for (tp, pp, bucket_mb, verify), cell in res.items():
+        r = cell["report"]
+        hand, copy = bl.median(cell["handoff"]), bl.median(cell["memcpy"])
+        layout = f"TP={tp}" if tp > 1 else f"PP={pp}"
+        speed.append([name, f"{r.total_bytes / 2**20:.1f}", layout, bucket_mb, "yes" if verify else "no",
+                      f"{r.total_bytes / hand / 2**30:.2f}", f"{r.total_bytes / copy / 2**30:.2f}",
+                      f"**{100 * copy / hand:.1f}%**"])
+        if verify:
+            memory.append([name, layout, bucket_mb, r.num_buckets, f"{r.peak_extra_bytes / 2**20:.2f}",
+                           f"{r.peak_bound_bytes / 2**20:.2f}", f"{r.peak_extra_bytes / r.peak_bound_bytes:.2f}"])
+    return speed, memory
+
+
+def report(results: dict, reps: int) -> str:
+    speed, memory = [], []
+    for name, res in results.items():
+        s, m = _rows(name, res)
+        speed += s
+        memory += m
+    best = max(float(r[-1].strip("*%")) for r in speed if r[4] == "yes")
+    return (f"## Reshard: weight handoff vs memcpy\n\n"
+            f"Training layout world 2 -> NativeEngine at rollout TP 1 on each rank, fp32, 1 thread per rank, "
+            f"medians of {reps} alternating reps (handoff A, memcpy B). GiB/s per rank.\n\n"
+            + bl.table(["model", "MiB sent", "training", "bucket MiB", "verify", "handoff GiB/s",
+                        "memcpy GiB/s", "handoff / memcpy"], speed)
+            + f"\n\nTarget handoff >= 50% of memcpy (as the trainer runs it, verify=yes): best {best:.1f}% "
+            f"({'met' if best >= 50 else f'missed by {50 / best:.1f}x'}).\n\n"
+            f"Peak extra memory of the handoff (HandoffReport.peak_extra_bytes) vs its bound "
+            f"(one bucket + largest tensor):\n\n"
+            + bl.table(["model", "training", "bucket MiB", "buckets", "peak MiB", "bound MiB", "peak / bound"],
+                       memory))
+
+
+def profile_handoff(folder: str) -> str:
+    """cProfile of one verified handoff on rank 0 (TP=2), the evidence for where the time goes."""
+    from dist_helper import run_distributed
+
+    return run_distributed(_profile_body, 2, folder, timeout=600)[0]
+
+
+def _profile_body(folder: str) -> str:
+    from hybridrl.models.hf_checkpoint import model_from_hf
+    from hybridrl.reshard import update_engine_weights
+    from hybridrl.rollout.native import NativeEngine
+
+    groups = reinit_parallel(2, 1)
+    model, spec = model_from_hf(folder, groups)
+    engine = NativeEngine(spec, 1)
+    update_engine_weights(engine, model, spec, groups, 64)
+    return bl.profile_top(lambda: update_engine_weights(engine, model, spec, groups, 64), 14)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--models", default="small,medium")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    from dist_helper import run_distributed
+
+    results, folders = {}, {}
+    for name in args.models.split(","):
+        folders[name] = bl.bench_model_folder(f"reshard_{name}", **MODELS[name])
+        results[name] = run_distributed(body, 2, folders[name], args.reps, timeout=900)[0]
+    text = report(results, args.reps)
+    name = args.models.split(",")[-1]
+    text += (f"\n\n<details><summary>cProfile of one verified handoff, {name} model, TP=2, 64 MiB buckets, "
+             f"rank 0</summary>\n\n```\n{profile_handoff(folders[name])}\n```\n\n</details>")
+    print(text)
+    if not args.no_write:
+        bl.write_section("reshard", text)
+
+
+if __name__ == "__main__":
+    main()
