@@ -167,10 +167,10 @@ def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
     if cfg.rollout.name == "vllm":
         items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
         items.append(("rollout/weight_sync_bucket", cfg.rollout.update_weights_bucket_mb * 2 ** 20))
-    else:  # the native engine generates with the actor's own weights and a megatron KV cache
-        if cfg.actor.offload.params:
-            items.append(("actor/weights", _states(ctx, stage, False)["weights"]))
-        kv = mem.kv_bytes_per_token(ctx.arch, lay.tp, lay.pp, ctx.dtype) * ctx.seq
+    else:  # the native engine holds its own copy (all layers, rollout TP, PP 1) and a megatron KV cache
+        rtp = lay.rollout_tp
+        items.append(("rollout/engine_weights", mem.total_params(ctx.arch) * mem.BYTES_PER_ELEMENT[ctx.dtype] / rtp))
+        kv = mem.kv_bytes_per_token(ctx.arch, rtp, 1, ctx.dtype) * ctx.seq
         items.append(("rollout/kv_cache", kv * lay.samples_per_step_per_dp))
     return Phase("rollout", stage, tuple(items))
 
@@ -222,7 +222,7 @@ def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
 def _kv_cache(ctx: _Ctx) -> KVCache:
     cfg, lay = ctx.cfg, ctx.layout
     if cfg.rollout.name == "native":
-        per_seq = mem.kv_bytes_per_token(ctx.arch, lay.tp, lay.pp, ctx.dtype) * ctx.seq
+        per_seq = mem.kv_bytes_per_token(ctx.arch, lay.rollout_tp, 1, ctx.dtype) * ctx.seq
         return KVCache(per_seq * lay.samples_per_step_per_dp, per_seq, lay.samples_per_step_per_dp)
     rtp = lay.rollout_tp
     weights = mem.total_params(ctx.arch) * mem.BYTES_PER_ELEMENT[ctx.dtype] / rtp
