@@ -69,7 +69,9 @@ def _check_mini_batches(role: str, mini: int, micro: int, cfg: Config, dp: int) 
              f"data.train_batch_size={train_bs} is not divisible by {role}.ppo_mini_batch_size={mini}; "
              f"make the mini batch a divisor of the train batch")
     samples = mini * n
-    _require(samples % (dp * micro) == 0,
+    per_rank = samples // dp if samples % dp == 0 else 0
+    # a micro batch larger than a rank's share just means one micro batch per optimizer step
+    _require(per_rank > 0 and per_rank % min(micro, per_rank) == 0,
              f"{role}.ppo_mini_batch_size * rollout.n = {samples} is not divisible by "
              f"dp ({dp}) * {role}.ppo_micro_batch_size_per_gpu ({micro}); change the micro batch or the mini batch")
     return samples
