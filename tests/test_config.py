@@ -157,3 +157,14 @@ def test_cli_bad_key_is_one_clean_message():
     assert proc.returncode != 0
     assert "'foo.bar'" in proc.stderr and "did you mean" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_bad_data_file_is_one_clean_message(tmp_path):
+    bad = tmp_path / "train.parquet"
+    bad.write_text("not parquet")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY,
+                           f"data.train_files=[{bad}]", f"trainer.default_local_dir={tmp_path}/ckpt"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 2
+    assert "is not a parquet file" in proc.stderr and str(bad) in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout

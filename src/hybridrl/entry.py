@@ -45,7 +45,9 @@ def main(argv=None) -> int:
 def user_errors() -> tuple:
     """Exception types that carry a message for the user rather than a bug report."""
     errors = []
-    for module, name in (("hybridrl.data", "DataError"), ("hybridrl.models.hf_convert", "ConversionError"),
+    for module, name in (("hybridrl.data", "DataError"), ("hybridrl.tokenizer", "TokenizerError"),
+                         ("hybridrl.rewards.registry", "RewardError"), ("hybridrl.models.hf_config", "UnsupportedConfigError"),
+                         ("hybridrl.models.hf_checkpoint", "CheckpointMismatchError"), ("hybridrl.reshard", "HandoffError"),
                          ("hybridrl.trainer", "TrainingError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))
