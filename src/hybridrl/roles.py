@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config, OffloadConfig
@@ -118,6 +117,3 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     rollout = build_rollout(cfg, spec, groups, tokenizer)
     return Roles(spec, folder, actor, ref, critic, rollout)
 
-
-def model_memory_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
