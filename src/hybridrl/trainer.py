@@ -21,6 +21,7 @@ from hybridrl.offload import Offloader
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, gather_dp, local_slice, pad_columns
+from hybridrl.workers.engine import dp_sum
 
 
 class TrainingError(RuntimeError):
@@ -151,12 +152,14 @@ class PPOTrainer:
     def rollout_metrics(self, batch, entropy) -> Dict[str, float]:
         g, mask = self.groups, batch["response_mask"]
         diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
-        n_tokens = gather_dp(batch["attention_mask"].sum().reshape(1).float(), g).sum().item()
-        gen_tokens = gather_dp(mask.sum().reshape(1), g).sum().item()
-        out = {"rollout/logprob_diff_mean": (gather_dp(diff.sum().reshape(1), g).sum() / max(gen_tokens, 1)).item(),
+        sums = dp_sum({"tokens": batch["attention_mask"].sum().item(), "generated": mask.sum().item(),
+                       "diff": diff.sum().item(), "entropy": (entropy * mask).sum().item()}, g)
+        generated = max(sums["generated"], 1.0)
+        out = {"rollout/logprob_diff_mean": sums["diff"] / generated,
                "rollout/logprob_diff_max": gather_dp(diff.max().reshape(1), g).max().item(),
-               "actor/entropy_old": (gather_dp((entropy * mask).sum().reshape(1), g).sum() / max(gen_tokens, 1)).item(),
-               "perf/rollout_tokens": gen_tokens}
+               "actor/entropy_old": sums["entropy"] / generated,
+               "perf/rollout_tokens": sums["generated"]}
+        n_tokens = sums["tokens"]
         out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
         return out
 
