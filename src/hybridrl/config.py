@@ -349,6 +349,8 @@ class TrainerConfig:
     """Where checkpoints go."""
     resume_mode: str = "auto"
     """auto (latest in default_local_dir), disable, or a checkpoint path."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (published when complete)."""
     export_hf_dir: str = ""
     """Write the final actor as an HF folder here; empty disables."""
     log_dir: str = "outputs/tensorboard"

@@ -34,9 +34,9 @@ def main(argv=None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        from hybridrl import trainer
+        from hybridrl.trainer_loop import main_loop
 
-        return trainer.run(cfg, dry_run=args.dry_run, profile=args.profile) or 0
+        return main_loop(cfg, dry_run=args.dry_run, profile=args.profile) or 0
     except (ConfigError, *user_errors()) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -48,7 +48,8 @@ def user_errors() -> tuple:
     for module, name in (("hybridrl.data", "DataError"), ("hybridrl.tokenizer", "TokenizerError"),
                          ("hybridrl.rewards.registry", "RewardError"), ("hybridrl.models.hf_config", "UnsupportedConfigError"),
                          ("hybridrl.models.hf_checkpoint", "CheckpointMismatchError"), ("hybridrl.reshard", "HandoffError"),
-                         ("hybridrl.trainer", "TrainingError")):
+                         ("hybridrl.trainer", "TrainingError"),
+                         ("hybridrl.checkpoint", "CheckpointError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):

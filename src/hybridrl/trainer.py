@@ -202,9 +202,3 @@ def reduce_val_totals(totals: Dict[str, list], groups) -> Dict[str, float]:
         out[f"val/{src}/score"] = s / max(n, 1)
         out[f"val/{src}/acc"] = c / max(n, 1)
     return out
-
-
-def run(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
-    from hybridrl.trainer_loop import main_loop
-
-    return main_loop(cfg, dry_run=dry_run, profile=profile)

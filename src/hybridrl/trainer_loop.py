@@ -7,9 +7,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybridrl.checkpoint import CheckpointManager, rng_state, set_rng_state
+from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, load_checkpoint
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
+from hybridrl.trainer import PPOTrainer, TrainingError
 
 CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm",
                 "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean", "timing_s/step")
@@ -29,24 +30,21 @@ def _endless(loader):
             return
 
 
-def _training_state(trainer) -> dict:
-    roles = trainer.roles
-    state = {"actor": roles.actor.engine.module.module.state_dict(), "actor_optim": roles.actor.optimizer.state_dict(),
-             "rng": rng_state()}
-    if roles.critic is not None:
-        state["critic"] = roles.critic.engine.module.module.state_dict()
-        state["critic_optim"] = roles.critic.optimizer.state_dict()
-    return state
+def _trainable(roles) -> dict:
+    """The roles a checkpoint holds: {"actor": ActorWorker, "critic": CriticWorker (PPO only)}."""
+    return {name: w for name, w in (("actor", roles.actor), ("critic", roles.critic)) if w is not None}
 
 
-def _restore(trainer, state: dict) -> None:
-    roles = trainer.roles
-    roles.actor.engine.module.module.load_state_dict(state["actor"])
-    roles.actor.optimizer.load_state_dict(state["actor_optim"])
-    if roles.critic is not None:
-        roles.critic.engine.module.module.load_state_dict(state["critic"])
-        roles.critic.optimizer.load_state_dict(state["critic_optim"])
-    set_rng_state(state["rng"])
+def _layout(groups) -> dict:
+    return {"tp": groups.tp, "pp": groups.pp, "dp": groups.dp}
+
+
+def _save(saver: CheckpointWriter, trainer, loader, step: int) -> None:
+    from hybridrl.models.hf_config import load_hf_config
+
+    meta = {"data": loader.state_dict(), "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
+            "hf_config": load_hf_config(trainer.roles.hf_folder)}
+    saver.save(step, _trainable(trainer.roles), meta)
 
 
 def _profile_line(step: int, m: dict) -> str:
@@ -84,7 +82,6 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     from hybridrl.metrics import MetricsWriter
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer, TrainingError
 
     le, tokenizer, layout, groups, train_loader, val_loader = _setup(cfg)
     print0(to_yaml(cfg))
@@ -95,7 +92,8 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     log_dir = os.path.join(tc.log_dir, tc.project_name, tc.experiment_name)
     writer = MetricsWriter(tc.logger if not dry_run else ["console"], log_dir, enabled=le.rank == 0)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer)
-    ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep, le.rank, dist.barrier)
+    ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep)
+    saver = CheckpointWriter(ckpt, tc.async_save)
     trainer.sync_rollout_weights()
     if dry_run:
         return _dry_run(trainer, train_loader, layout, cfg)
@@ -120,10 +118,11 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
         if profile:
             print0(_profile_line(step, metrics))
             profile_steps.append(metrics)
+        saver.poll()
         if tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total):
-            ckpt.save(step, _training_state(trainer),
-                      {"data": train_loader.state_dict(), "kl_coef": trainer.kl_ctrl.value})
+            _save(saver, trainer, train_loader, step)
         bar.update(1)
+    saver.finalize()
     bar.close()
     _print_reward_trend(rewards)
     if profile and profile_steps:
@@ -138,8 +137,7 @@ def _resume(trainer, ckpt: CheckpointManager, loader, resume_mode: str) -> int:
     path = ckpt.resolve(resume_mode)
     if path is None:
         return 0
-    state, meta = ckpt.load(path)
-    _restore(trainer, state)
+    meta = load_checkpoint(path, _trainable(trainer.roles), _layout(trainer.groups))
     loader.load_state_dict(meta["data"])
     trainer.kl_ctrl.value = meta["kl_coef"]
     trainer.sync_rollout_weights()

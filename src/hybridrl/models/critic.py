@@ -55,6 +55,17 @@ def build_critic(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "fl
     return model
 
 
+def critic_sharded_state_dict(model, metadata=None) -> dict:
+    """megatron's sharded state dict of a critic chunk. LanguageModule expects an LM head at
+    `output_layer.weight` on the last stage; the value head is a plain replicated module there, so
+    the chunk is described as a non-final stage would be, plus the head as replicated tensors."""
+    post_process, model.post_process = model.post_process, False
+    try:
+        return model.sharded_state_dict(metadata=metadata)
+    finally:
+        model.post_process = post_process
+
+
 def load_value_head(model, reader) -> str | None:
     """Copy a reward model's head into the critic's ValueHead; returns the HF name used, or None."""
     names = set(reader.names())

@@ -312,12 +312,3 @@ def stage_state(reader: TensorReader, spec: GPTSpec, tp: int, pp: int, tp_rank: 
     """{local megatron name: shard} for one (tp_rank, pp_rank), read lazily from an HF `reader`."""
     return {local: read_shard(glob, reader, spec, tp, tp_rank)
             for local, glob in stage_names(spec, pp, pp_rank, head)}
-
-
-def __getattr__(name):
-    # The I/O half (load/save/stream) lives in hf_checkpoint.py; re-exported lazily to avoid a cycle.
-    from hybridrl.models import hf_checkpoint
-
-    if name in hf_checkpoint.__all__:
-        return getattr(hf_checkpoint, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -79,16 +79,43 @@ class CpuOptimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def state_dict(self) -> dict:
-        return {"opt": self.optimizer.state_dict(), "step_count": self.step_count}
+    def _init_state(self) -> None:
+        """AdamW's state as its first step creates it (step 0, zero moments): the placeholders a
+        sharded load fills in, and what a save writes before the first update."""
+        for p in self.params:
+            state = self.optimizer.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["opt"])
-        self.step_count = state["step_count"]
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """The AdamW moments as ShardedTensors laid out like their parameters, under megatron's names
+        (`optimizer.state.exp_avg.<param key>`), so they load at any TP x PP x DP. AdamW's per-parameter
+        `step` equals `step_count` (every parameter is stepped together) and is stored once."""
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                optim_state_to_sharding_state)
+
+        self._init_state()
+        state = self.optimizer.state_dict()
+        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        if len(id_to_sharded) != len(self.params):
+            raise RuntimeError(f"{len(self.params) - len(id_to_sharded)} optimized parameters are missing "
+                               f"from the model's sharded state dict")
+        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+        return {"optimizer": state, "step_count": self.step_count}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+        for param_state in state["optimizer"]["state"].values():
+            param_state["step"] = torch.tensor(float(self.step_count))
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 class MegatronOptimizer:
     """megatron-core's optimizer (CUDA): mixed precision, distributed optimizer, clipping."""
+
+    # how megatron's optimizers describe their state for dist_checkpointing (save and load alike)
+    CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
     def __init__(self, module, cfg: OptimConfig, use_distributed_optimizer: bool, total_steps: int, dtype):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -111,12 +138,19 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def state_dict(self) -> dict:
-        return {"opt": self.optimizer.state_dict(), "step_count": self.step_count}
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """megatron's own optimizer sharded state dict. The distributed optimizer's param_state (fp32
+        master shards, Adam moments: what its plain `state_dict()` leaves out) is written in the
+        `fully_reshardable` format, parameter-shaped like the CPU path, so it loads at any layout."""
+        return {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                               metadata=self.CHECKPOINT_METADATA),
+                "step_count": self.step_count}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["opt"])
-        self.step_count = state["step_count"]
+    def load_sharded_state_dict(self, state: dict) -> None:
+        # DistributedOptimizer.load_state_dict restores param_state into its fp32 main shards; the
+        # mixed-precision optimizers copy main params back into the model on their next step.
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
 
 
 def build_optimizer(module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int,
