@@ -63,11 +63,10 @@ def _save_at_tp2(tmp):
 
 
 def _resume_at(tmp, path, tp, pp):
-    from hybridrl.checkpoint import CheckpointManager
     from hybridrl.trainer_loop import _endless, _resume
 
     trainer, loader = _trainer(tmp, tp, pp)
-    step = _resume(trainer, CheckpointManager(os.path.join(tmp, "ckpt"), 2), loader, path)
+    step = _resume(trainer, path, loader)
     state = exported(trainer.actor, trainer.roles.spec, trainer.groups)
     metrics = trainer.train_step(next(_endless(loader)), step + 1)
     return dict(state, step=step, grad_norm=metrics["actor/grad_norm"], data=loader.state_dict())

@@ -84,20 +84,21 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     from hybridrl.roles import build_roles
 
     le, tokenizer, layout, groups, train_loader, val_loader = _setup(cfg)
+    tc = cfg.trainer
+    ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep)
+    resume_from = None if dry_run else ckpt.resolve(tc.resume_mode)  # a bad path fails before any model is built
     print0(to_yaml(cfg))
     print0(f"layout: {layout.describe()}")
     total = _total_steps(cfg, train_loader)
     roles = build_roles(cfg, groups, tokenizer, total)
-    tc = cfg.trainer
     log_dir = os.path.join(tc.log_dir, tc.project_name, tc.experiment_name)
     writer = MetricsWriter(tc.logger if not dry_run else ["console"], log_dir, enabled=le.rank == 0)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer)
-    ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep)
     saver = CheckpointWriter(ckpt, tc.async_save)
     trainer.sync_rollout_weights()
     if dry_run:
         return _dry_run(trainer, train_loader, layout, cfg)
-    start = _resume(trainer, ckpt, train_loader, tc.resume_mode)
+    start = _resume(trainer, resume_from, train_loader)
     if val_loader is not None and tc.val_before_train and start == 0:
         writer.log(trainer.validate(val_loader), 0)
     batches = _endless(train_loader)
@@ -133,8 +134,8 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     return 0
 
 
-def _resume(trainer, ckpt: CheckpointManager, loader, resume_mode: str) -> int:
-    path = ckpt.resolve(resume_mode)
+def _resume(trainer, path, loader) -> int:
+    """Load the run's state from a published checkpoint folder (None: a fresh start); returns its step."""
     if path is None:
         return 0
     meta = load_checkpoint(path, _trainable(trainer.roles), _layout(trainer.groups))

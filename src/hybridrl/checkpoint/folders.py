@@ -109,19 +109,20 @@ class CheckpointManager:
         return resume_mode
 
 
-def check_step_folder(path: str) -> None:
-    """Raise CheckpointError unless `path` is a complete global_step_* folder, saying what it is instead."""
-    where = f"trainer.resume_mode={path}"
+def check_step_folder(path: str, what: str = "trainer.resume_mode") -> None:
+    """Raise CheckpointError unless `path` (the value of option `what`) is a complete global_step_*
+    folder, saying what it is instead."""
+    where = f"{what}={path}"
     if not os.path.exists(path):
-        raise CheckpointError(f"{where}: no such folder; pass a global_step_* folder, or resume_mode=auto "
-                              f"(latest under trainer.default_local_dir) or disable")
+        raise CheckpointError(f"{where}: no such folder; pass a global_step_* folder"
+                              + (", or auto (the latest under trainer.default_local_dir) or disable"
+                                 if what == "trainer.resume_mode" else ""))
     if os.path.isfile(os.path.join(path, META)):
         return
     inner = CheckpointManager(path, 1).latest() if os.path.isdir(path) else None
     if inner:
-        raise CheckpointError(f"{where} is a checkpoint root, not one checkpoint; pass {inner} "
-                              f"or trainer.default_local_dir={path} trainer.resume_mode=auto")
+        raise CheckpointError(f"{where} is a checkpoint root, not one checkpoint; pass {inner}")
     partial = os.path.basename(os.path.normpath(path)).endswith(PARTIAL)
     raise CheckpointError(f"{where} is not a complete checkpoint (no {META}"
                           + ("; an interrupted save" if partial else "")
-                          + "); pass a global_step_* folder, or resume_mode=auto or disable")
+                          + "); pass a published global_step_* folder")

@@ -93,9 +93,14 @@ def load_role(worker, folder: str, role: str) -> None:
 
     check_shapes(model_sharded_state(worker.engine.module), folder, role)
     loaded = dist_checkpointing.load(role_state(worker, is_loading=True), folder)
-    result = unwrap_model(worker.engine.module).load_state_dict(loaded["model"], strict=False)
+    fill_model(worker.engine.module, loaded["model"], folder, role)
+    worker.optimizer.load_sharded_state_dict(loaded["optimizer"])
+
+
+def fill_model(module, loaded: dict, folder: str, role: str) -> None:
+    """Copy a loaded model state dict in; every weight must be there (`_extra_state` may be absent)."""
+    result = unwrap_model(module).load_state_dict(loaded, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"the {role} checkpoint {folder} did not fill {missing[:3]} "
                               f"(unexpected: {result.unexpected_keys[:3]})")
-    worker.optimizer.load_sharded_state_dict(loaded["optimizer"])

@@ -1,0 +1,39 @@
+"""A training checkpoint's actor as an HF folder (config.json + model.safetensors), offline.
+
+Runs under any world size: the model is rebuilt at the layout asked for (TP x PP, DP the rest of the
+world, TP 1 x PP 1 by default), its shards are read from the checkpoint whatever layout wrote it,
+and the HF export stream (TP gather, PP broadcast, un-fusing) is written by rank 0. Collective.
+"""
+from __future__ import annotations
+
+import os
+
+from hybridrl.checkpoint.folders import check_step_folder, read_meta
+from hybridrl.checkpoint.sharded import check_shapes, fill_model, model_sharded_state
+
+
+def _saved_dtype(folder: str) -> str:
+    from megatron.core import dist_checkpointing
+
+    from hybridrl.models.gpt import DTYPES
+
+    dtype = dist_checkpointing.load_tensors_metadata(folder)["embedding.word_embeddings.weight"].dtype
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> None:
+    """Write the actor of `step_folder` (a global_step_* folder) to `out` as an HF checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, model_from_hf, save_hf
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    check_step_folder(step_folder, "--input")
+    hf_config = read_meta(step_folder)["hf_config"]
+    actor = os.path.join(step_folder, "actor")
+    groups = init_model_parallel(tp, pp)
+    model, spec = model_from_hf(hf_config, groups, _saved_dtype(actor))
+    state = model_sharded_state(model)
+    check_shapes(state, actor, "actor")
+    fill_model(model, dist_checkpointing.load(state, actor), actor, "actor")
+    save_hf(out, mcore_to_hf_stream(model, spec, groups), hf_config)
