@@ -3,8 +3,8 @@
 `run_distributed(fn, world_size, *args)` spawns `world_size` processes, each with torchrun-style
 environment variables, initialises torch.distributed (gloo) and hybridrl's CPU patches, calls
 `fn(*args)` and returns the list of per-rank return values. `fn` must be a module-level function.
-`daemon=False` lets the body start processes of its own (megatron's checkpoint writers do); such
-ranks are still killed when the test fails or times out.
+Ranks are not daemonic, so a body may start processes of its own (megatron-core's checkpoint writers
+do); a rank still running when the test fails or times out is killed.
 """
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, daemon: bool = True):
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=daemon)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -74,14 +74,75 @@ def _resume_at(tmp, path, tp, pp):
 
 @pytest.mark.slow
 def test_resume_at_other_layouts(tmp_path):
-    saved = run_distributed(_save_at_tp2, 2, str(tmp_path / "tp2"), daemon=False)[0]
+    saved = run_distributed(_save_at_tp2, 2, str(tmp_path / "tp2"))[0]
     path = str(tmp_path / "tp2" / "ckpt" / "global_step_2")
     assert saved["step_count"] == 2 and saved["adam_steps"] == {2.0}
     assert all(t.abs().sum() > 0 for k, t in saved["tensors"].items() if k.startswith("exp_avg_sq/"))
     for name, (tp, pp, world) in {"tp1pp2": (1, 2, 2), "tp1": (1, 1, 1)}.items():
-        got = run_distributed(_resume_at, world, str(tmp_path / name), path, tp, pp, daemon=False)[0]
+        got = run_distributed(_resume_at, world, str(tmp_path / name), path, tp, pp)[0]
         assert got["step"] == 2 and got["step_count"] == 2 and got["adam_steps"] == {2.0}, name
         assert got["tensors"].keys() == saved["tensors"].keys()
         for key, want in saved["tensors"].items():
             assert torch.equal(got["tensors"][key], want), (name, key)
         assert got["data"]["batch_index"] == 3 and torch.isfinite(torch.tensor(got["grad_norm"])), name
+
+
+def _train_recording(config_path, overrides):
+    """main_loop with the order of steps, save starts and publications recorded (rank 0 writes the folders)."""
+    from hybridrl.checkpoint.folders import CheckpointManager
+    from hybridrl.config_io import load_config
+    from hybridrl.trainer import PPOTrainer
+    from hybridrl.trainer_loop import main_loop
+
+    events = []
+    prepare, publish, train_step = CheckpointManager.prepare, CheckpointManager.publish, PPOTrainer.train_step
+    CheckpointManager.prepare = lambda self, step: events.append(("prepare", step, sorted(self.complete_steps()))) \
+        or prepare(self, step)
+    CheckpointManager.publish = lambda self, step, meta: events.append(("publish", step)) or publish(self, step, meta)
+    PPOTrainer.train_step = lambda self, prompts, step, **kw: events.append(("step", step)) or train_step(
+        self, prompts, step, **kw)
+    main_loop(load_config(config_path, overrides))
+    return events
+
+
+def _to_hf(step_folder, out, tp, pp):
+    from hybridrl.checkpoint.to_hf import checkpoint_to_hf
+
+    checkpoint_to_hf(step_folder, out, tp, pp)
+
+
+@pytest.mark.slow
+def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
+    import subprocess
+    import sys
+
+    from hybridrl.checkpoint import CheckpointManager
+    from hybridrl.models.hf_checkpoint import SafetensorsReader
+    from test_trainer import ROOT
+
+    export = tmp_path / "export"
+    events = run_distributed(_train_recording, 2, TINY, _overrides(tmp_path, [
+        f"{LAYOUT['tp']}=2", "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.async_save=true",
+        "trainer.max_ckpt_to_keep=3", f"trainer.export_hf_dir={export}"]))[0]
+    order = {e[:2]: i for i, e in enumerate(events)}
+    for step in (1, 2, 3):
+        assert ("publish", step) in order, events
+        if step > 1:  # each save starts after the one before was published, and the loop ran on meanwhile
+            assert step - 1 in next(e[2] for e in events if e[:2] == ("prepare", step)), events
+            assert order[("publish", step - 1)] > order[("step", step)], events
+    root = tmp_path / "ckpt"
+    assert sorted(CheckpointManager(str(root), 3).complete_steps()) == [1, 2, 3]
+    assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
+    # ckpt-to-hf: at world size 1 through the script, and at TP 1 x PP 2 in two processes
+    one, two = tmp_path / "hf1", tmp_path / "hf2"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_checkpoint.py"), "ckpt-to-hf",
+                           "--input", str(root / "global_step_3"), "--output", str(one)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_distributed(_to_hf, 2, str(root / "global_step_3"), str(two), 1, 2)
+    want = SafetensorsReader(str(export))
+    for folder in (one, two):
+        got = SafetensorsReader(str(folder))
+        assert sorted(got.names()) == sorted(want.names())
+        for name in want.names():
+            assert torch.equal(got.read(name), want.read(name)), (folder, name)

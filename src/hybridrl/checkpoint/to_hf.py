@@ -35,5 +35,5 @@ def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> No
     model, spec = model_from_hf(hf_config, groups, _saved_dtype(actor))
     state = model_sharded_state(model)
     check_shapes(state, actor, "actor")
-    fill_model(model, dist_checkpointing.load(state, actor), actor, "actor")
+    fill_model(model, dist_checkpointing.load({"model": state}, actor)["model"], actor, "actor")  # weights only
     save_hf(out, mcore_to_hf_stream(model, spec, groups), hf_config)
