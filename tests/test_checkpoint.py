@@ -52,6 +52,24 @@ def test_resume_path_messages(tmp_path):
             check_step_folder(path)
 
 
+def test_unreadable_or_foreign_meta(tmp_path):
+    from hybridrl.checkpoint import load_checkpoint
+    from hybridrl.checkpoint.writer import RUN_KEYS
+
+    ckpt = CheckpointManager(str(tmp_path), keep=3)
+    torn, old, grpo = (ckpt.step_dir(s) for s in (1, 2, 3))
+    for path, meta in ((torn, '{"step": 1, "da'), (old, json.dumps({"step": 2, "data": {}, "kl_coef": 0.0})),
+                       (grpo, json.dumps({**{k: 0 for k in RUN_KEYS}, "roles": ["actor"], "layout": {}}))):
+        os.makedirs(path)
+        open(os.path.join(path, "meta.json"), "w").write(meta)
+    with pytest.raises(CheckpointError, match=r"global_step_1/meta.json cannot be read \(Unterminated string"):
+        load_checkpoint(torn, {}, {})
+    with pytest.raises(CheckpointError, match="lacks roles, layout, hf_config.*trainer.resume_mode=disable"):
+        load_checkpoint(old, {}, {})
+    with pytest.raises(CheckpointError, match="has no critic state.*algorithm.adv_estimator it was saved with"):
+        load_checkpoint(grpo, {"critic": None}, {})
+
+
 def test_rng_state_round_trip():
     state = rng_state()
     a = torch.rand(3)

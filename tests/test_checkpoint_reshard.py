@@ -63,13 +63,20 @@ def _save_at_tp2(tmp):
 
 
 def _resume_at(tmp, path, tp, pp):
-    from hybridrl.trainer_loop import _endless, _resume
+    """Resume, export, run one step and save it (the step's checkpoint goes under tmp/ckpt)."""
+    from hybridrl.checkpoint import CheckpointManager, CheckpointWriter
+    from hybridrl.trainer_loop import _endless, _resume, _save
 
     trainer, loader = _trainer(tmp, tp, pp)
     step = _resume(trainer, path, loader)
     state = exported(trainer.actor, trainer.roles.spec, trainer.groups)
     metrics = trainer.train_step(next(_endless(loader)), step + 1)
+    _save(CheckpointWriter(CheckpointManager(os.path.join(tmp, "ckpt"), 1)), trainer, loader, step + 1)
     return dict(state, step=step, grad_norm=metrics["actor/grad_norm"], data=loader.state_dict())
+
+
+def _bytes(folder) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
 @pytest.mark.slow
@@ -78,22 +85,31 @@ def test_resume_at_other_layouts(tmp_path):
     path = str(tmp_path / "tp2" / "ckpt" / "global_step_2")
     assert saved["step_count"] == 2 and saved["adam_steps"] == {2.0}
     assert all(t.abs().sum() > 0 for k, t in saved["tensors"].items() if k.startswith("exp_avg_sq/"))
-    for name, (tp, pp, world) in {"tp1pp2": (1, 2, 2), "tp1": (1, 1, 1)}.items():
+    for name, (tp, pp, world) in {"tp1pp2": (1, 2, 2), "tp1": (1, 1, 1), "dp2": (1, 1, 2)}.items():
         got = run_distributed(_resume_at, world, str(tmp_path / name), path, tp, pp)[0]
         assert got["step"] == 2 and got["step_count"] == 2 and got["adam_steps"] == {2.0}, name
         assert got["tensors"].keys() == saved["tensors"].keys()
         for key, want in saved["tensors"].items():
             assert torch.equal(got["tensors"][key], want), (name, key)
         assert got["data"]["batch_index"] == 3 and torch.isfinite(torch.tensor(got["grad_norm"])), name
+    # one copy of each shard whatever DP: the DP 2 save is no larger than the TP 1 one (a copy per
+    # replica would double it)
+    one, two = (_bytes(tmp_path / name / "ckpt" / "global_step_3" / "actor") for name in ("tp1", "dp2"))
+    assert 0.9 < two / one < 1.1, (one, two)
 
 
-def _train_recording(config_path, overrides):
-    """main_loop with the order of steps, save starts and publications recorded (rank 0 writes the folders)."""
+def _train_recording(config_path, overrides, snapshot):
+    """main_loop with the order of steps, save starts and publications recorded (rank 0 writes the
+    folders), and the actor as it was when step 1's save started exported to `snapshot`."""
+    from hybridrl import trainer_loop
     from hybridrl.checkpoint.folders import CheckpointManager
     from hybridrl.config_io import load_config
     from hybridrl.trainer import PPOTrainer
     from hybridrl.trainer_loop import main_loop
 
+    save = trainer_loop._save
+    trainer_loop._save = lambda saver, trainer, loader, step: (
+        trainer_loop._export_hf(trainer, snapshot) if step == 1 else None) or save(saver, trainer, loader, step)
     events = []
     prepare, publish, train_step = CheckpointManager.prepare, CheckpointManager.publish, PPOTrainer.train_step
     CheckpointManager.prepare = lambda self, step: events.append(("prepare", step, sorted(self.complete_steps()))) \
@@ -120,10 +136,10 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
     from hybridrl.models.hf_checkpoint import SafetensorsReader
     from test_trainer import ROOT
 
-    export = tmp_path / "export"
+    export, snapshot = tmp_path / "export", tmp_path / "at_save_1"
     events = run_distributed(_train_recording, 2, TINY, _overrides(tmp_path, [
         f"{LAYOUT['tp']}=2", "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.async_save=true",
-        "trainer.max_ckpt_to_keep=3", f"trainer.export_hf_dir={export}"]))[0]
+        "trainer.max_ckpt_to_keep=3", f"trainer.export_hf_dir={export}"]), str(snapshot))[0]
     order = {e[:2]: i for i, e in enumerate(events)}
     for step in (1, 2, 3):
         assert ("publish", step) in order, events
@@ -133,16 +149,18 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
     root = tmp_path / "ckpt"
     assert sorted(CheckpointManager(str(root), 3).complete_steps()) == [1, 2, 3]
     assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
-    # ckpt-to-hf: at world size 1 through the script, and at TP 1 x PP 2 in two processes
-    one, two = tmp_path / "hf1", tmp_path / "hf2"
+    # ckpt-to-hf: the last step at world size 1 through the script (= the final export), and step 1 at
+    # TP 1 x PP 2 in two processes (= the actor when that save started, though training went on meanwhile)
+    last, first = tmp_path / "hf_step3", tmp_path / "hf_step1"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_checkpoint.py"), "ckpt-to-hf",
-                           "--input", str(root / "global_step_3"), "--output", str(one)],
+                           "--input", str(root / "global_step_3"), "--output", str(last)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_distributed(_to_hf, 2, str(root / "global_step_3"), str(two), 1, 2)
-    want = SafetensorsReader(str(export))
-    for folder in (one, two):
-        got = SafetensorsReader(str(folder))
+    run_distributed(_to_hf, 2, str(root / "global_step_1"), str(first), 1, 2)
+    for folder, reference in ((last, export), (first, snapshot)):
+        got, want = SafetensorsReader(str(folder)), SafetensorsReader(str(reference))
         assert sorted(got.names()) == sorted(want.names())
         for name in want.names():
             assert torch.equal(got.read(name), want.read(name)), (folder, name)
+    final, early = SafetensorsReader(str(export)), SafetensorsReader(str(snapshot))
+    assert any(not torch.equal(final.read(n), early.read(n)) for n in final.names())  # training moved on

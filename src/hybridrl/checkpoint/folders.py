@@ -42,9 +42,20 @@ def atomic_write_text(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        return json.load(f)
+def read_meta(path: str, required=()) -> dict:
+    """A checkpoint's meta.json; CheckpointError when it is unreadable or lacks a `required` key."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{os.path.join(path, META)} cannot be read ({err}); pass another "
+                              f"global_step_* folder") from None
+    missing = [key for key in required if key not in meta] if isinstance(meta, dict) else list(required)
+    if missing:
+        raise CheckpointError(f"{path} was not written by this hybridrl ({META} lacks {', '.join(missing)}; "
+                              f"older versions saved whole per-rank files) and cannot be resumed; start a new "
+                              f"run (trainer.resume_mode=disable)")
+    return meta
 
 
 class CheckpointManager:

@@ -29,7 +29,7 @@ def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> No
     from hybridrl.parallel.distributed import init_model_parallel
 
     check_step_folder(step_folder, "--input")
-    hf_config = read_meta(step_folder)["hf_config"]
+    hf_config = read_meta(step_folder, ("hf_config",))["hf_config"]
     actor = os.path.join(step_folder, "actor")
     groups = init_model_parallel(tp, pp)
     model, spec = model_from_hf(hf_config, groups, _saved_dtype(actor))

@@ -23,6 +23,7 @@ from hybridrl.checkpoint.rng import rng_state, set_rng_state
 from hybridrl.checkpoint.sharded import load_role, save_role
 
 RNG_DIR = "rng"
+RUN_KEYS = ("step", "roles", "data", "kl_coef", "layout", "hf_config")  # what a resume reads from meta.json
 
 
 def _rng_file(folder: str, rank: int) -> str:
@@ -78,17 +79,14 @@ class CheckpointWriter:
 
 def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict:
     """Load `workers` from a published folder at this run's layout; returns its meta.json."""
-    meta = read_meta(path)
-    if "roles" not in meta:
-        raise CheckpointError(f"{path} was written by an older hybridrl (whole per-rank rank_*.pt files) and "
-                              f"cannot be resumed; start a new run from its HF export (model.path=...)")
+    meta = read_meta(path, RUN_KEYS)
     for role, worker in workers.items():
         folder = os.path.join(path, role)
-        if role not in meta.get("roles", ()) or not os.path.isdir(folder):
+        if role not in meta["roles"] or not os.path.isdir(folder):
             raise CheckpointError(f"{path} has no {role} state (saved by a run without a {role}); resume "
-                                  f"with the algorithm.adv_estimator it was saved with, or resume_mode=disable")
+                                  f"with the algorithm.adv_estimator it was saved with, or trainer.resume_mode=disable")
         load_role(worker, folder, role)
     rng = _rng_file(path, dist.get_rank())
-    if meta.get("layout") == layout and os.path.isfile(rng):
+    if meta["layout"] == layout and os.path.isfile(rng):
         set_rng_state(torch.load(rng, weights_only=False))
     return meta
