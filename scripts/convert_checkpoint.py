@@ -56,11 +56,11 @@ def main(argv=None) -> int:
             print(f"wrote tp={args.tp} pp={args.pp} shards of a {spec.num_layers}-layer model to {args.output}")
         return 0
     if args.direction == "ckpt-to-hf":
-        from hybridrl.checkpoint import CheckpointError
+        from hybridrl.entry import user_errors
 
         try:
             _ckpt_to_hf(args)
-        except CheckpointError as err:
+        except user_errors() as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
     elif rank == 0:

@@ -156,6 +156,10 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
                            "--input", str(root / "global_step_3"), "--output", str(last)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(proc.args[:-4] + ["--tp", "2"] + proc.args[-4:], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("error: --tp 2 x --pp 1 ") == 1, \
+        proc.stderr[-3000:]
     run_distributed(_to_hf, 2, str(root / "global_step_1"), str(first), 1, 2)
     for folder, reference in ((last, export), (first, snapshot)):
         got, want = SafetensorsReader(str(folder)), SafetensorsReader(str(reference))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 
-from hybridrl.checkpoint.folders import check_step_folder, read_meta
+import torch.distributed as dist
+
+from hybridrl.checkpoint.folders import CheckpointError, check_step_folder, read_meta
 from hybridrl.checkpoint.sharded import check_shapes, fill_model, model_sharded_state
 
 
@@ -30,6 +32,10 @@ def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> No
 
     check_step_folder(step_folder, "--input")
     hf_config = read_meta(step_folder, ("hf_config",))["hf_config"]
+    world, layers = dist.get_world_size(), hf_config.get("num_hidden_layers", 0)
+    if tp < 1 or pp < 1 or world % (tp * pp) or layers % pp:
+        raise CheckpointError(f"--tp {tp} x --pp {pp} does not fit {world} process(es) and {layers} layers: tp x pp "
+                              f"must divide the world size and pp the layer count")
     actor = os.path.join(step_folder, "actor")
     groups = init_model_parallel(tp, pp)
     model, spec = model_from_hf(hf_config, groups, _saved_dtype(actor))
