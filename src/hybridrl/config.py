@@ -329,6 +329,65 @@ class RewardConfig:
         _one_of("reward.gsm8k_method", self.gsm8k_method, ("strict", "flexible"))
 
 
+REWARD_COMBINE_MODES = ("replace", "add")
+
+
+@dataclass(frozen=True)
+class RewardModelTrainConfig:
+    steps: int = 150
+    """scripts/train_rm.py: optimizer steps of the Bradley-Terry training."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step, over all DP ranks."""
+    micro_batch_size_per_gpu: int = 32
+    """Pairs per forward/backward on one DP rank (each pair is two sequences)."""
+    num_pairs: int = 4096
+    """Training pairs generated from the prompts of data.train_files."""
+    num_val_pairs: int = 256
+    """Held-out pairs generated from data.val_files, for the printed preference accuracy."""
+    val_freq: int = 25
+    """Evaluate the held-out accuracy every this many steps and at the end; 0: only at the end."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    """Optimizer and LR schedule of the reward model."""
+    seed: int = 7
+    """Seed of the pair generator and of the fresh score head."""
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "reward_model.train.steps must be >= 1")
+        _check(self.batch_size >= 1 and self.micro_batch_size_per_gpu >= 1,
+               "reward_model.train.batch_size and .micro_batch_size_per_gpu must be >= 1")
+        _check(self.num_pairs >= self.batch_size,
+               "reward_model.train.num_pairs must be at least one batch (reward_model.train.batch_size)")
+        _check(self.num_val_pairs >= 1, "reward_model.train.num_val_pairs must be >= 1")
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool = False
+    """Score responses with a reward model: a frozen megatron-core GPTModel with a scalar head."""
+    path: str = ""
+    """HF folder of a Qwen2/Llama *ForSequenceClassification model (score.weight); train_rm.py writes one."""
+    tokenizer: str = ""
+    """Tokenizer of the reward model; empty: data.tokenizer. Another one: responses are re-encoded for it."""
+    micro_batch_size_per_gpu: int = 8
+    """Sequences per reward-model forward on one DP rank."""
+    max_length: int = 0
+    """Longest re-encoded input (tokens, kept from the end); 0: data.max_prompt_length + max_response_length."""
+    offload_params: bool = False
+    """Keep the reward model's weights on the host except while it scores (hybrid engine)."""
+    combine: str = "replace"
+    """replace: the reward is the RM score; add: RM score + the rule score of the row's data_source."""
+    train: RewardModelTrainConfig = field(default_factory=RewardModelTrainConfig)
+    """scripts/train_rm.py settings."""
+
+    def __post_init__(self):
+        _one_of("reward_model.combine", self.combine, REWARD_COMBINE_MODES)
+        _check(self.micro_batch_size_per_gpu >= 1, "reward_model.micro_batch_size_per_gpu must be >= 1")
+        _check(self.max_length >= 0, "reward_model.max_length must be >= 0 (0: prompt + response length)")
+        _check(not self.enable or bool(self.path),
+               "reward_model.enable=true needs reward_model.path: an HF *ForSequenceClassification folder "
+               "(scripts/train_rm.py --config <this config> writes one there)")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     total_training_steps: int = 40
@@ -384,4 +443,5 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,6 +42,8 @@ class PromptRow:
     extra_info: Dict[str, Any]
     file: str
     index: int
+    messages: List[Dict[str, str]] = field(default_factory=list)
+    """The chat messages before templating (a reward model with its own template re-renders them)."""
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PromptBatch:
     extra_info: List[Dict[str, Any]]
     raw_prompt: List[str]
     index: List[int]
+    messages: List[List[Dict[str, str]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -78,7 +81,7 @@ def collate(rows: Sequence[PromptRow], pad_id: int, length: Optional[int] = None
     ids, mask = left_pad([r.input_ids for r in rows], pad_id, length)
     return PromptBatch(ids, mask, [r.data_source for r in rows], [r.ground_truth for r in rows],
                        [r.extra_info for r in rows], [r.raw_prompt for r in rows],
-                       [r.index for r in rows])
+                       [r.index for r in rows], [r.messages for r in rows])
 
 
 def read_parquet_records(path: str, prompt_key: str) -> List[Dict[str, Any]]:
@@ -184,7 +187,7 @@ class PromptDataset:
             if ids is None:
                 self.num_filtered += 1
                 continue
-            self.rows.append(PromptRow(ids, text, data_source, ground_truth, extra_info, path, i))
+            self.rows.append(PromptRow(ids, text, data_source, ground_truth, extra_info, path, i, messages))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -1,4 +1,4 @@
-"""Build the roles of a run: actor, reference, critic (PPO only) and the rollout engine.
+"""Build the roles of a run: actor, reference, critic (PPO only), reward model (optional), rollout engine.
 
 Every role loads from one HF folder (model.path, or a seeded random model written once when the
 config builds a tiny model from its fields), so all roles start from the same weights.
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hybridrl.config import Config, OffloadConfig
+from hybridrl.config import Config, ConfigError, OffloadConfig
 from hybridrl.offload import Offloader
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.parallel.cpu_compat import cuda_to_cpu
@@ -30,6 +30,8 @@ class Roles:
     ref: Optional[LogProbWorker]
     critic: Optional[CriticWorker]
     rollout: object
+    reward_model: Optional[object] = None
+    """workers.reward_model.RewardModelWorker when reward_model.enable."""
 
 
 def init_model_folder(cfg: Config, vocab_size: int) -> str:
@@ -115,5 +117,28 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
                                      cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
         critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic)
     rollout = build_rollout(cfg, spec, groups, tokenizer)
-    return Roles(spec, folder, actor, ref, critic, rollout)
+    reward_model = build_reward_model(cfg, groups, tokenizer) if cfg.reward_model.enable else None
+    return Roles(spec, folder, actor, ref, critic, rollout, reward_model)
 
+
+def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
+    """The frozen reward model at the training TP/PP, re-encoding for its own tokenizer when it has one."""
+    from hybridrl.models.critic import reward_model_from_hf
+    from hybridrl.workers.reward_model import RewardModelWorker, build_reencoder
+
+    rm = cfg.reward_model
+    if not os.path.isfile(os.path.join(rm.path, "config.json")):
+        raise ConfigError(f"reward_model.path='{rm.path}' has no config.json; train one with scripts/train_rm.py "
+                          "--config <this config>, or point it at an HF *ForSequenceClassification folder")
+    model, spec, pad_id = reward_model_from_hf(rm.path, groups, cfg.model.params_dtype)
+    reencoder = build_reencoder(cfg, pad_id)
+    rm_tokenizer = reencoder.tokenizer if reencoder is not None else tokenizer
+    if rm_tokenizer.vocab_size > spec.vocab_size:
+        raise ConfigError(f"the reward model's vocabulary ({spec.vocab_size} tokens) is smaller than the "
+                          f"tokenizer's ({rm_tokenizer.vocab_size}, {rm_tokenizer.name}); set "
+                          "reward_model.tokenizer to the reward model's own tokenizer")
+    worker = RewardModelWorker(ModelEngine(_frozen(model), groups), pad_id, rm.micro_batch_size_per_gpu, reencoder)
+    if rm.offload_params:
+        worker.offloader = Offloader(model, None, OffloadConfig(params=True))
+        worker.offloader.offload()
+    return worker

@@ -27,10 +27,10 @@ class TokenizerError(ValueError):
     """A tokenizer spec that cannot be loaded; the message names the path and the fix."""
 
 
-def plain_chat_template(messages: Sequence[Dict[str, str]]) -> str:
+def plain_chat_template(messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
     """'User: ...\\nAssistant:' rendering for tokenizers that ship no chat template."""
     lines = [f"{_PLAIN_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nAssistant:"
+    return "\n".join(lines) + ("\nAssistant:" if add_generation_prompt else "")
 
 
 class Tokenizer:
@@ -51,8 +51,9 @@ class Tokenizer:
     def batch_decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> List[str]:
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
-    def apply_chat_template(self, messages: Sequence[Dict[str, str]]) -> str:
-        return plain_chat_template(messages)
+    def apply_chat_template(self, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as text; add_generation_prompt=False renders a finished one (reward models)."""
+        return plain_chat_template(messages, add_generation_prompt)
 
 
 class HFTokenizer(Tokenizer):
@@ -76,10 +77,10 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
-            return plain_chat_template(messages)
-        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return plain_chat_template(messages, add_generation_prompt)
+        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 class SentencePieceTokenizer(Tokenizer):

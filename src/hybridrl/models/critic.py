@@ -13,16 +13,19 @@ import dataclasses
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridrl.models.gpt import GPTSpec, build_gpt
-from hybridrl.models.hf_checkpoint import SafetensorsReader, load_hf_into_mcore
+from hybridrl.models.hf_checkpoint import (CheckpointMismatchError, SafetensorsReader, load_hf_into_mcore,
+                                           mcore_to_hf_stream, unwrap_model)
 from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spec_from_hf_config
 
 # reward-model head names -> (weight, bias or None), in order of preference
 REWARD_HEADS = (("score.weight", "score.bias"), ("v_head.summary.weight", "v_head.summary.bias"),
                 ("v_head.weight", "v_head.bias"))
 HEAD_WEIGHT, HEAD_BIAS = "output_layer.value_head.weight", "output_layer.value_head.bias"
+SEQ_CLS_ARCHITECTURES = {"qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification"}
 
 
 class ValueHead(torch.nn.Module):
@@ -101,3 +104,47 @@ def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: in
     load_hf_into_mcore(model, folder, spec, groups, head="none", allowed_extra=allowed)
     source = load_value_head(model, SafetensorsReader(folder)) if groups.is_last_stage else None
     return model, spec, source
+
+
+def reward_model_from_hf(folder: str, groups, dtype: str = "float32", **config_overrides):
+    """(model, spec, pad_token_id) of an HF reward model folder: the trunk and its `score` head.
+
+    pad_token_id is the config's (None when unset); it decides the scored token (workers/reward_model.py).
+    """
+    names = set(SafetensorsReader(folder).names())  # checked on every rank, so all ranks fail together
+    if not any(w in names for w, _ in REWARD_HEADS):
+        raise CheckpointMismatchError(
+            f"{folder} has no reward head ({', '.join(w for w, _ in REWARD_HEADS)}): a reward model is an HF "
+            "*ForSequenceClassification folder with num_labels=1 (scripts/train_rm.py writes one)")
+    model, spec, _ = critic_from_hf(folder, groups, dtype, **config_overrides)
+    return model, spec, as_config_dict(folder).get("pad_token_id")
+
+
+def reward_model_hf_stream(model, spec: GPTSpec, groups):
+    """(HF name, full tensor) of a critic-shaped model as a *ForSequenceClassification: trunk, score.weight.
+
+    Collective over the model replica, like `mcore_to_hf_stream`. HF's score layer has no bias, so the
+    value head's bias must be zero (scripts/train_rm.py keeps it frozen at 0; Bradley-Terry ignores it).
+    """
+    yield from mcore_to_hf_stream(model, spec, groups, head="none")
+    inner = unwrap_model(model)
+    param = next(inner.parameters())
+    if groups.is_last_stage:
+        head = inner.output_layer.value_head
+        if torch.count_nonzero(head.bias.detach()) > 0:
+            raise ValueError(f"value head bias {head.bias.item():.4g} != 0 cannot be written as HF's bias-free "
+                             "score.weight; freeze it at zero while training")
+        weight = head.weight.detach().clone()
+    else:
+        weight = torch.empty(1, spec.hidden_size, dtype=param.dtype, device=param.device)
+    if groups.pp > 1:
+        dist.broadcast(weight, group=groups.pp_group, group_src=groups.pp - 1)
+    yield "score.weight", weight
+
+
+def reward_model_hf_config(base: dict, pad_token_id: int | None) -> dict:
+    """The config.json of a sequence-classification reward model (one label) built from `base`'s architecture."""
+    cfg = dict(base)
+    cfg.update(architectures=[SEQ_CLS_ARCHITECTURES[cfg["model_type"]]], id2label={"0": "LABEL_0"},
+               label2id={"LABEL_0": 0}, pad_token_id=pad_token_id)
+    return cfg

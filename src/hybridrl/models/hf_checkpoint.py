@@ -132,8 +132,9 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups) -> torch.Tensor:
     return hc.merge_tp(global_name, shards)
 
 
-def mcore_to_hf_stream(model, spec: GPTSpec, groups) -> Iterator[tuple[str, torch.Tensor]]:
+def mcore_to_hf_stream(model, spec: GPTSpec, groups, head: str = "lm") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for the whole model, on every rank, one megatron tensor at a time.
+    head "none" streams the trunk only (a critic or reward model keeps its own head).
 
     Collective: every rank of the model replica (TP x PP) must consume the stream in lockstep.
     Tied embeddings yield no lm_head.weight (the last stage's copy is a duplicate of the embedding).
@@ -141,7 +142,7 @@ def mcore_to_hf_stream(model, spec: GPTSpec, groups) -> Iterator[tuple[str, torc
     offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
     local = {hc.local_to_global(k, offset): v for k, v in weight_state(model).items()}
     dtype = next(iter(local.values())).dtype
-    for global_name in hc.hf_to_mcore_name_map(spec):
+    for global_name in hc.hf_to_mcore_name_map(spec, head):
         owner = hc.owner_stage(global_name, spec, groups.pp)
         if groups.pp_rank == owner:
             full = _gather_tp(global_name, local[global_name].detach(), groups)
@@ -201,8 +202,8 @@ def random_hf_model_folder(folder: str, model_type: str = "qwen2", seed: int = 0
 
     head: "lm" (…ForCausalLM), "score" (…ForSequenceClassification, num_labels=1, a reward model) or
     "v_head" (causal LM + TRL-style `v_head.summary.{weight,bias}`). Defaults: hidden 64, 2 layers,
-    4 heads / 2 KV heads, vocab 251, initializer_range 0.1 (logits of order 1); `sizes` override any
-    config field. Norm weights and biases are perturbed so conversions that mishandle them show.
+    4 heads / 2 KV heads, vocab 251, initializer_range 0.1 (logits of order 1), pad_token_id 0 with
+    head "score"; `sizes` override any config field. Norm weights and biases are perturbed so conversions that mishandle them show.
     `max_shard_size` (e.g. "40KB") writes a sharded checkpoint with model.safetensors.index.json.
     """
     import transformers
@@ -212,7 +213,7 @@ def random_hf_model_folder(folder: str, model_type: str = "qwen2", seed: int = 0
     torch.manual_seed(seed)
     auto = transformers.AutoModelForSequenceClassification if head == "score" else transformers.AutoModelForCausalLM
     if head == "score":
-        config.num_labels, config.pad_token_id = 1, 0
+        config.num_labels, config.pad_token_id = 1, sizes.get("pad_token_id", 0)
     model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

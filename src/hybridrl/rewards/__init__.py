@@ -3,7 +3,8 @@
 Scorers take the decoded response text and the ground truth and return a float; they never
 touch models, tokenizers or files (`registry.load_custom_reward` is the one loader of user code).
 """
-from hybridrl.rewards.registry import (BUILTIN_REWARDS, RewardError, RewardManager,
+from hybridrl.rewards.registry import (BUILTIN_REWARDS, RewardError, RewardManager, combine_scores,
                                        get_reward_fn, load_custom_reward)
 
-__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardManager", "get_reward_fn", "load_custom_reward"]
+__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardManager", "combine_scores", "get_reward_fn",
+           "load_custom_reward"]

@@ -2,7 +2,8 @@
 
 `get_reward_fn(data_source)` maps known data sources to the rule scorers in this package;
 `load_custom_reward(path, name)` loads a user's function from a .py file; `RewardManager(cfg)`
-scores a batch of decoded responses into a FloatTensor [B]. A user function is called verl-style,
+scores a batch of decoded responses into a FloatTensor [B]; `combine_scores` mixes those rule scores
+with a reward model's (`reward_model.combine`). A user function is called verl-style,
 fn(data_source=, solution_str=, ground_truth=, extra_info=), and may return a float or a dict
 with "score" (its other numeric keys come back as extra metrics). Non-finite scores are errors.
 """
@@ -126,3 +127,17 @@ class RewardManager:
                  ground_truths: Sequence[Any], extra_infos: Optional[Sequence[dict]] = None
                  ) -> torch.Tensor:
         return self.score_batch(responses, data_sources, ground_truths, extra_infos)[0]
+
+
+def combine_scores(rule_scores: Optional[torch.Tensor], rm_scores: torch.Tensor, mode: str) -> torch.Tensor:
+    """The training score of each response from the reward model's score: `replace` takes it as is
+    (rule_scores may be None), `add` adds the row's rule score (per data_source) to it."""
+    if mode == "replace":
+        return rm_scores.float()
+    if mode != "add":
+        raise RewardError(f"reward_model.combine={mode!r} is not one of replace, add")
+    if rule_scores is None or rule_scores.shape != rm_scores.shape:
+        shape = None if rule_scores is None else list(rule_scores.shape)
+        raise RewardError(f"reward_model.combine=add needs one rule score per response: got {shape} "
+                          f"for {list(rm_scores.shape)} reward-model scores")
+    return rule_scores.float().to(rm_scores.device) + rm_scores.float()
