@@ -48,11 +48,14 @@ def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> Dict[str,
 
 
 def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max_response_length,
-                  prompt_mask=None, values=None) -> Dict[str, float]:
-    """verl's data metrics: critic/score, rewards, advantages, returns, values, response_length."""
+                  prompt_mask=None, values=None, rm_scores=None) -> Dict[str, float]:
+    """verl's data metrics: critic/score, rewards, advantages, returns, values, response_length, and
+    critic/rm_score when a reward model scored the batch."""
     lengths = response_mask.sum(-1).float()
     out = {}
     out.update(_stats("critic/score", scores))
+    if rm_scores is not None:
+        out.update(_stats("critic/rm_score", rm_scores))
     out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)))
     out.update(_masked_stats("critic/advantages", advantages, response_mask))
     out.update(_masked_stats("critic/returns", returns, response_mask))

@@ -1,6 +1,6 @@
 """The PPO / GRPO loop. One step:
 
-    rollout → reward → old log-probs (actor) → ref log-probs → values (critic, PPO only)
+    rollout → reward (rules and/or reward model) → old log-probs (actor) → ref log-probs → values (critic, PPO only)
     → KL penalty → advantages → critic update → actor update → weights into the rollout engine
 
 Every rank runs this code (SPMD); each DP rank owns a slice of the prompts, and TP/PP peers hold
@@ -19,6 +19,7 @@ from hybridrl import algos
 from hybridrl.config import Config
 from hybridrl.offload import Offloader
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
+from hybridrl.rewards.registry import combine_scores
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, gather_dp, local_slice, pad_columns
 from hybridrl.workers.engine import dp_sum
@@ -58,7 +59,7 @@ class PPOTrainer:
             batch["old_log_probs"], entropy = self.actor.compute_log_prob(
                 batch, cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
         if self.ref is not None:
-            with t("ref"), self.ref_on_device():
+            with t("ref"), self.on_device(self.ref):
                 batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)
         if self.critic is not None:
             with t("values"):
@@ -82,9 +83,10 @@ class PPOTrainer:
         return metrics
 
     @contextlib.contextmanager
-    def ref_on_device(self):
-        """ref.offload_params: the frozen reference lives on the host except while it computes."""
-        offloader = self.ref.offloader
+    def on_device(self, worker):
+        """ref.offload_params / reward_model.offload_params: a frozen role lives on the host except
+        while it computes."""
+        offloader = worker.offloader
         if offloader is not None:
             offloader.onload()
         try:
@@ -117,13 +119,21 @@ class PPOTrainer:
         batch["rollout_log_probs"] = pad_columns(out.log_probs.float(), R, 0.0)
         return batch
 
-    def score(self, batch, prompts, n: int) -> torch.Tensor:
+    def score(self, batch, prompts, n: int, use_reward_model: bool = True) -> torch.Tensor:
+        """Rule scores of the decoded responses; with a reward model (training only) its scores, kept in
+        batch["rm_scores"], replace them or are added to them (reward_model.combine)."""
         texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(batch["responses"], batch["response_mask"])]
         rep = lambda xs: [x for x in xs for _ in range(n)]
-        scores = self.reward_fn(texts, rep(prompts.data_source), rep(prompts.ground_truth), rep(prompts.extra_info))
-        if not torch.isfinite(scores).all():
-            raise TrainingError("reward function returned a non-finite score")
-        return scores.float()
+        rm, combine = (self.roles.reward_model if use_reward_model else None), self.cfg.reward_model.combine
+        rule = None
+        if rm is None or combine == "add":
+            rule = _finite(self.reward_fn(texts, rep(prompts.data_source), rep(prompts.ground_truth),
+                                          rep(prompts.extra_info)), "reward function")
+        if rm is None:
+            return rule.float()
+        with self.on_device(rm):
+            batch["rm_scores"] = _finite(rm.compute_rm_score(batch, rep(prompts.messages), texts), "reward model")
+        return combine_scores(rule, batch["rm_scores"], combine)
 
     def compute_advantages(self, batch, scores) -> Dict[str, float]:
         """KL-in-reward and advantages over the DP-global batch; each rank keeps its slice."""
@@ -145,8 +155,9 @@ class PPOTrainer:
             group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo)
         batch["advantages"], batch["returns"] = local_slice(adv, g), local_slice(returns, g)
         prompt_mask = gather_dp(batch["prompt_mask"], g)
+        rm_scores = gather_dp(batch["rm_scores"], g) if "rm_scores" in batch else None
         metrics.update(batch_metrics(all_scores, token_rewards, adv, returns, mask,
-                                     self.cfg.data.max_response_length, prompt_mask, values))
+                                     self.cfg.data.max_response_length, prompt_mask, values, rm_scores))
         return metrics
 
     def rollout_metrics(self, batch, entropy) -> Dict[str, float]:
@@ -180,12 +191,18 @@ class PPOTrainer:
             if len(prompts) == 0:
                 continue
             batch = self.generate(prompts, sampling, step=-1)
-            scores = self.score(batch, prompts, r.val_n)
+            scores = self.score(batch, prompts, r.val_n, use_reward_model=False)  # rule-checked
             sources = [s for s in prompts.data_source for _ in range(r.val_n)]
             for src, s in zip(sources, scores.tolist()):
                 t = totals.setdefault(src, [0.0, 0.0, 0])
                 t[0], t[1], t[2] = t[0] + s, t[1] + float(s >= 1.0), t[2] + 1
         return reduce_val_totals(totals, self.groups)
+
+
+def _finite(scores: torch.Tensor, source: str) -> torch.Tensor:
+    if not torch.isfinite(scores).all():
+        raise TrainingError(f"{source} returned a non-finite score")
+    return scores
 
 
 def reduce_val_totals(totals: Dict[str, list], groups) -> Dict[str, float]:

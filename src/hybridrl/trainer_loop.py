@@ -12,7 +12,7 @@ from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
 from hybridrl.trainer import PPOTrainer, TrainingError
 
-CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm",
+CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm",
                 "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean", "timing_s/step")
 
 
@@ -99,8 +99,10 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     if dry_run:
         return _dry_run(trainer, train_loader, layout, cfg)
     start = _resume(trainer, resume_from, train_loader)
+    val_history = []
     if val_loader is not None and tc.val_before_train and start == 0:
-        writer.log(trainer.validate(val_loader), 0)
+        val_history.append((0, trainer.validate(val_loader)))
+        writer.log(val_history[-1][1], 0)
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
     profile_steps, rewards = [], []
@@ -112,7 +114,8 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
             raise TrainingError(f"step {step}: {err}; stopped before the update, nothing was saved for "
                                 f"this step (last checkpoint: {ckpt.latest()})") from None
         if val_loader is not None and tc.test_freq > 0 and (step % tc.test_freq == 0 or step == total):
-            metrics.update(trainer.validate(val_loader))
+            val_history.append((step, trainer.validate(val_loader)))
+            metrics.update(val_history[-1][1])
         metrics["training/global_step"] = step
         rewards.append(metrics["critic/score/mean"])
         writer.log(metrics, step, CONSOLE_KEYS + tuple(k for k in metrics if k.startswith("val/")))
@@ -126,6 +129,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     saver.finalize()
     bar.close()
     _print_reward_trend(rewards)
+    _print_val_trend(val_history)
     if profile and profile_steps:
         _print_profile_average(profile_steps)
     if tc.export_hf_dir:
@@ -154,6 +158,14 @@ def _print_reward_trend(rewards) -> None:
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     ratio = f"{last / first:.1f}x" if first > 0 else "from 0"
     print0(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({ratio})")
+
+
+def _print_val_trend(history) -> None:
+    """Validation accuracy per data source over the run: 'val acc synthetic/arith: 0 (step 0) -> ...'."""
+    for key in sorted(history[0][1]) if len(history) > 1 else []:
+        if key.endswith("/acc"):
+            trend = " -> ".join(f"{m[key]:.3g} (step {step})" for step, m in history if key in m)
+            print0(f"val acc {key[len('val/'):-len('/acc')]}: {trend}")
 
 
 def _progress(total: int, start: int, enabled: bool):
