@@ -7,10 +7,10 @@ group, estimates memory per GPU for every phase of a hybrid-engine step, and rai
 It creates no process groups and touches no GPU; the formulas live in `hybridrl.planner_memory`.
 
 Hybrid engine: actor, critic, reference and rollout engine share every GPU and run one after the
-other, so the peak is the maximum over phases (rollout, log-probs, critic update, actor update),
-not the sum; the critic's value forward is smaller than its update and not listed. A role that is
-idle in a phase keeps on the GPU only what its offload flags leave there (`actor.offload.*`,
-`critic.offload.*`, `ref.offload_params`); a role at work has all of its state on the GPU. The
+other, so the peak is the maximum over phases (rollout, reward model, log-probs, critic update, actor
+update), not the sum; the critic's value forward is smaller than its update and not listed. A role
+that is idle in a phase keeps on the GPU only what its offload flags leave there (`actor.offload.*`,
+`critic.offload.*`, `ref.offload_params`, `reward_model.offload_params`); a role at work has all of its state on the GPU. The
 vLLM pool (`rollout.gpu_memory_utilization` of the GPU: engine weights at rollout TP + KV cache)
 is held during rollout, and during training too when `rollout.free_cache_engine` is false. Every
 phase adds a fixed runtime overhead (CUDA context, NCCL buffers, allocator slack). Each phase is
@@ -19,8 +19,10 @@ evaluated on the first pipeline stage (embedding, most in-flight micro batches) 
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from hybridrl import planner_memory as mem
 from hybridrl.config import Config, ConfigError
@@ -133,6 +135,8 @@ class _Ctx:
     dtype: str
     gpu_bytes: float
     uses_ref: bool
+    rm_arch: Optional[mem.Arch] = None
+    """The reward model's architecture when reward_model.enable."""
 
 
 def _states(ctx: _Ctx, stage: int, critic: bool) -> dict:
@@ -156,6 +160,8 @@ def _background(ctx: _Ctx, stage: int, busy: str) -> List[Tuple[str, float]]:
         items += _idle("critic", _states(ctx, stage, True), cfg.critic.offload)
     if busy != "ref" and ctx.uses_ref and not cfg.ref.offload_params:
         items.append(("ref/weights", _states(ctx, stage, False)["weights"]))
+    if busy != "reward_model" and ctx.rm_arch is not None and not cfg.reward_model.offload_params:
+        items.append(("reward_model/weights", _reward_model_weights(ctx, stage)))
     if busy != "rollout" and cfg.rollout.name == "vllm" and not cfg.rollout.free_cache_engine:
         items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
     return items
@@ -191,6 +197,30 @@ def _forward_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     return Phase(f"{role} log-prob", stage, tuple(items))
 
 
+def _reward_model_arch(cfg: Config, actor: mem.Arch) -> Optional[mem.Arch]:
+    """config.json at reward_model.path; the actor's architecture while that does not exist yet."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    if not os.path.isfile(os.path.join(rm.path, "config.json")):
+        return actor
+    return mem.arch_from_model_config(dataclasses.replace(cfg.model, path=rm.path))
+
+
+def _reward_model_weights(ctx: _Ctx, stage: int) -> float:
+    n = mem.stage_params(ctx.rm_arch, ctx.layout.tp, ctx.layout.pp, stage, critic=True)
+    return n * mem.BYTES_PER_ELEMENT[ctx.dtype]
+
+
+def _reward_model_phase(ctx: _Ctx, stage: int) -> Phase:
+    """The reward model scoring: its weights plus one micro batch's forward (a scalar head, no logits)."""
+    rm = ctx.cfg.reward_model
+    items = _background(ctx, stage, "reward_model") + [("reward_model/weights", _reward_model_weights(ctx, stage))]
+    forward = mem.forward_bytes(ctx.rm_arch, rm.max_length or ctx.seq, rm.micro_batch_size_per_gpu, ctx.layout.tp,
+                                ctx.dtype, last_stage=stage == ctx.layout.pp - 1, scalar_head=True)
+    return Phase("reward model", stage, tuple(items + [("reward_model/forward", forward)]))
+
+
 def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     """One role's optimizer step: all its states, its saved activations, the rest in background."""
     critic = role == "critic"
@@ -210,7 +240,10 @@ def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
 
 
 def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
-    phases = [_rollout_phase(ctx, stage), _forward_phase(ctx, stage, "actor")]
+    phases = [_rollout_phase(ctx, stage)]
+    if ctx.rm_arch is not None:
+        phases.append(_reward_model_phase(ctx, stage))
+    phases.append(_forward_phase(ctx, stage, "actor"))
     if ctx.uses_ref:
         phases.append(_forward_phase(ctx, stage, "ref"))
     if ctx.cfg.algorithm.uses_critic:
@@ -251,7 +284,7 @@ def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: i
     arch = mem.arch_from_model_config(cfg.model, vocab_size)
     ctx = _Ctx(cfg, arch, layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
                cfg.model.params_dtype, cfg.parallel.gpu_memory_gb * GIB,
-               cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+               cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward, _reward_model_arch(cfg, arch))
     stages = sorted({0, layout.pp - 1})
     by_name = {}
     for stage in stages:  # the first stage holds the most in-flight micro batches, the last the logits
@@ -294,8 +327,8 @@ def advice(consumer: str, phase: str, cfg: Config) -> str:
         fixes += [f"set {role}.offload.optimizer=true"] if during_rollout else []
         fixes += [more_mp, "or use more nodes (a larger DP shards the distributed optimizer further)"]
     elif kind in ("weights", "grads"):
-        if role == "ref":
-            fixes.append("set ref.offload_params=true")
+        if role in ("ref", "reward_model"):
+            fixes.append(f"set {role}.offload_params=true")
         elif during_rollout:
             fixes.append(f"set {role}.offload.{'params' if kind == 'weights' else 'grads'}=true")
         fixes.append(more_mp)
@@ -304,7 +337,8 @@ def advice(consumer: str, phase: str, cfg: Config) -> str:
             fixes.append("set parallel.recompute_activations=true")
         fixes += [f"lower {role}.ppo_micro_batch_size_per_gpu", more_mp]
     elif kind == "forward":
-        fixes += [f"lower {role}.log_prob_micro_batch_size_per_gpu", more_mp]
+        micro = "micro_batch_size_per_gpu" if role == "reward_model" else "log_prob_micro_batch_size_per_gpu"
+        fixes += [f"lower {role}.{micro}", more_mp]
     elif kind == "vllm_pool":
         fixes += ["lower rollout.gpu_memory_utilization",
                   "offload the idle training state during rollout (actor.offload.params/grads/optimizer=true)"]

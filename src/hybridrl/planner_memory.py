@@ -153,10 +153,11 @@ def head_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str,
     return norm + seq * micro * arch.padded_vocab(tp) / tp * (e + 4)
 
 
-def forward_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, last_stage: bool = True) -> float:
-    """Working memory of a forward without grad (log-probs): about one layer's tensors alive at a
-    time, plus the logits on the last pipeline stage."""
-    head = head_activation_bytes(arch, seq, micro, tp, dtype) if last_stage else 0.0
+def forward_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, last_stage: bool = True,
+                  scalar_head: bool = False) -> float:
+    """Working memory of a forward without grad (log-probs; scores with a scalar head): about one
+    layer's tensors alive at a time, plus the logits (or the final norm) on the last pipeline stage."""
+    head = head_activation_bytes(arch, seq, micro, tp, dtype, scalar_head) if last_stage else 0.0
     return layer_activation_bytes(arch, seq, micro, tp, dtype) + head
 
 
