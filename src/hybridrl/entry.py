@@ -1,4 +1,4 @@
-"""Command line of scripts/train_ppo.py: arguments, config loading, clean failure messages.
+"""Command line of scripts/train_ppo.py (and train_rm.py): arguments, config loading, clean failure messages.
 
 A ConfigError (or any hybridrl user error) ends the process with one message and exit code 2,
 never a traceback.
@@ -27,16 +27,25 @@ QUIET = (r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed.*", r"
 
 
 def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+
+    def train(cfg):
+        from hybridrl.trainer_loop import main_loop
+
+        return main_loop(cfg, dry_run=args.dry_run, profile=args.profile)
+
+    return run_with_config(args, train)
+
+
+def run_with_config(args, body) -> int:
+    """Load the config of parsed `args` (--config + overrides) and run `body(cfg)`; a user error
+    prints one `error: ...` line and gives exit code 2 (shared by train_ppo.py and train_rm.py)."""
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     from hybridrl.config_io import load_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        from hybridrl.trainer_loop import main_loop
-
-        return main_loop(cfg, dry_run=args.dry_run, profile=args.profile) or 0
+        return body(load_config(args.config, args.overrides)) or 0
     except (ConfigError, *user_errors()) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
