@@ -252,3 +252,30 @@ def test_plan_layout_script(capsys):
     assert "DOES NOT FIT" in captured.out and "error: layout does not fit" in captured.err
     assert main(["--config", os.path.join(CONFIGS, "qwen2_72b.yaml"), "--nodes", "1"]) == 2  # tp*pp = 32 > 8
     assert "not divisible by tp (8) * pp (4)" in capsys.readouterr().err
+
+
+def test_reward_model_phase_weights_and_offload(tmp_path):
+    base = ("reward_model.enable=true", f"reward_model.path={tmp_path / 'rm'}", "reward_model.micro_batch_size_per_gpu=4")
+    kept = estimate(_size_config("qwen2_7b.yaml", *base), 8)
+    offloaded = estimate(_size_config("qwen2_7b.yaml", *base, "reward_model.offload_params=true"), 8)
+    assert "reward model" not in [p.name for p in estimate(_size_config("qwen2_7b.yaml"), 8).phases]
+    lay, cfg = kept.layout, _size_config("qwen2_7b.yaml", *base)
+    arch = mem.arch_from_model_config(cfg.model)  # no config.json at the path yet: the actor's architecture
+    weights = mem.stage_params(arch, lay.tp, lay.pp, 0, critic=True) * mem.BYTES_PER_ELEMENT[cfg.model.params_dtype]
+    scoring = kept.phase("reward model")
+    assert scoring.bytes("reward_model/weights") == weights
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert scoring.bytes("reward_model/forward") == mem.forward_bytes(arch, seq, 4, lay.tp, cfg.model.params_dtype,
+                                                                      last_stage=lay.pp == 1, scalar_head=True)
+    assert kept.phase("rollout").bytes("reward_model/") == weights  # idle but resident
+    assert offloaded.phase("rollout").bytes("reward_model/") == 0  # offload_params: on the host while idle
+    assert offloaded.phase("reward model").total == scoring.total
+    # a reward model of its own size is counted from its config.json
+    (tmp_path / "rm").mkdir()
+    small = dict(model_type="qwen2", num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512, vocab_size=1000)
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(small))
+    own = estimate(_size_config("qwen2_7b.yaml", *base), 8).phase("reward model").bytes("reward_model/weights")
+    rm_arch = mem.arch_from_model_config(ModelConfig(path=str(tmp_path / "rm")))
+    assert own == mem.stage_params(rm_arch, lay.tp, lay.pp, 0, critic=True) * mem.BYTES_PER_ELEMENT[cfg.model.params_dtype]
+    assert own < weights / 100

@@ -7,15 +7,17 @@ group, estimates memory per GPU for every phase of a hybrid-engine step, and rai
 It creates no process groups and touches no GPU; the formulas live in `hybridrl.planner_memory`.
 
 Hybrid engine: actor, critic, reference and rollout engine share every GPU and run one after the
-other, so the peak is the maximum over phases (rollout, reward model, log-probs, critic update, actor
-update), not the sum; the critic's value forward is smaller than its update and not listed. A role
-that is idle in a phase keeps on the GPU only what its offload flags leave there (`actor.offload.*`,
-`critic.offload.*`, `ref.offload_params`, `reward_model.offload_params`); a role at work has all of its state on the GPU. The
+other, so the peak is the maximum over phases (rollout, log-probs, critic update, actor update),
+not the sum; the critic's value forward is smaller than its update and not listed. A role that is
+idle in a phase keeps on the GPU only what its offload flags leave there (`actor.offload.*`,
+`critic.offload.*`, `ref.offload_params`); a role at work has all of its state on the GPU. The
 vLLM pool (`rollout.gpu_memory_utilization` of the GPU: engine weights at rollout TP + KV cache)
 is held during rollout, and during training too when `rollout.free_cache_engine` is false. Every
 phase adds a fixed runtime overhead (CUDA context, NCCL buffers, allocator slack). Each phase is
 evaluated on the first pipeline stage (embedding, most in-flight micro batches) and the last
 (head, logits); the worse one is reported.
+With reward_model.enable a "reward model" phase scores the responses; elsewhere its weights stay on
+the GPU unless `reward_model.offload_params`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The PPO / GRPO loop. One step:
 
-    rollout → reward (rules and/or reward model) → old log-probs (actor) → ref log-probs → values (critic, PPO only)
+    rollout → reward → old log-probs (actor) → ref log-probs → values (critic, PPO only)
     → KL penalty → advantages → critic update → actor update → weights into the rollout engine
 
 Every rank runs this code (SPMD); each DP rank owns a slice of the prompts, and TP/PP peers hold

@@ -203,7 +203,8 @@ def random_hf_model_folder(folder: str, model_type: str = "qwen2", seed: int = 0
     head: "lm" (…ForCausalLM), "score" (…ForSequenceClassification, num_labels=1, a reward model) or
     "v_head" (causal LM + TRL-style `v_head.summary.{weight,bias}`). Defaults: hidden 64, 2 layers,
     4 heads / 2 KV heads, vocab 251, initializer_range 0.1 (logits of order 1), pad_token_id 0 with
-    head "score"; `sizes` override any config field. Norm weights and biases are perturbed so conversions that mishandle them show.
+    head "score"; `sizes` override any config field. Norm weights and biases are perturbed so
+    conversions that mishandle them show.
     `max_shard_size` (e.g. "40KB") writes a sharded checkpoint with model.safetensors.index.json.
     """
     import transformers
