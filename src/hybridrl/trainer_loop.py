@@ -156,16 +156,15 @@ def _print_reward_trend(rewards) -> None:
         return
     k = max(1, len(rewards) // 10)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    ratio = f"{last / first:.1f}x" if first > 0 else "from 0"
+    ratio = f"{last / first:.1f}x" if first > 0 else "from 0" if first == 0 else f"{last - first:+.3g}"
     print0(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({ratio})")
 
 
 def _print_val_trend(history) -> None:
-    """Validation accuracy per data source over the run: 'val acc synthetic/arith: 0 (step 0) -> ...'."""
+    """Validation score and accuracy per data source over the run: 'val/<source>/acc: 0 (step 0) -> ...'."""
     for key in sorted(history[0][1]) if len(history) > 1 else []:
-        if key.endswith("/acc"):
-            trend = " -> ".join(f"{m[key]:.3g} (step {step})" for step, m in history if key in m)
-            print0(f"val acc {key[len('val/'):-len('/acc')]}: {trend}")
+        if key.endswith(("/acc", "/score")):
+            print0(f"{key}: " + " -> ".join(f"{m[key]:.3g} (step {step})" for step, m in history if key in m))
 
 
 def _progress(total: int, start: int, enabled: bool):
