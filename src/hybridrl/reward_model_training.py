@@ -25,7 +25,7 @@ from hybridrl.config import Config, ConfigError
 from hybridrl.data import left_pad
 from hybridrl.log import print0
 from hybridrl.workers.engine import ModelEngine, dp_sum
-from hybridrl.workers.reward_model import build_reencoder, score_positions
+from hybridrl.workers.reward_model import build_reencoder, check_vocab, score_positions
 
 
 def parse_args(argv):
@@ -197,6 +197,7 @@ def train_reward_model(cfg: Config) -> int:
     engine, optimizer, spec = _build(cfg, groups, init_folder, tc.steps)
     reencoder = build_reencoder(cfg, None)
     rm_tokenizer = reencoder.tokenizer if reencoder is not None else tokenizer
+    check_vocab(rm_tokenizer, spec.vocab_size)
     pad_id = rm_tokenizer.pad_token_id
     device = next(engine.module.parameters()).device
     train, val = ({k: t.to(device) for k, t in pairs.items()} for pairs in

@@ -124,7 +124,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
 def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
     """The frozen reward model at the training TP/PP, re-encoding for its own tokenizer when it has one."""
     from hybridrl.models.critic import reward_model_from_hf
-    from hybridrl.workers.reward_model import RewardModelWorker, build_reencoder
+    from hybridrl.workers.reward_model import RewardModelWorker, build_reencoder, check_vocab
 
     rm = cfg.reward_model
     if not os.path.isfile(os.path.join(rm.path, "config.json")):
@@ -133,10 +133,7 @@ def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
     model, spec, pad_id = reward_model_from_hf(rm.path, groups, cfg.model.params_dtype)
     reencoder = build_reencoder(cfg, pad_id)
     rm_tokenizer = reencoder.tokenizer if reencoder is not None else tokenizer
-    if rm_tokenizer.vocab_size > spec.vocab_size:
-        raise ConfigError(f"the reward model's vocabulary ({spec.vocab_size} tokens) is smaller than the "
-                          f"tokenizer's ({rm_tokenizer.vocab_size}, {rm_tokenizer.name}); set "
-                          "reward_model.tokenizer to the reward model's own tokenizer")
+    check_vocab(rm_tokenizer, spec.vocab_size)
     worker = RewardModelWorker(ModelEngine(_frozen(model), groups), pad_id, rm.micro_batch_size_per_gpu, reencoder)
     if rm.offload_params:
         worker.offloader = Offloader(model, None, OffloadConfig(params=True))

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from hybridrl.config import ConfigError
 from hybridrl.data import left_pad
 from hybridrl.workers.engine import ModelEngine, split_micro_batches
 
@@ -64,6 +65,14 @@ def build_reencoder(cfg, pad_token_id: Optional[int]) -> Optional[ChatReencoder]
         raise TokenizerError(f"reward_model.tokenizer: {err}") from None
     max_length = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
     return ChatReencoder(tokenizer, max_length, tokenizer.pad_token_id if pad_token_id is None else pad_token_id)
+
+
+def check_vocab(tokenizer, model_vocab_size: int) -> None:
+    """A reward model must embed every id its tokenizer produces."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(f"the reward model's vocabulary ({model_vocab_size} tokens) is smaller than the "
+                          f"tokenizer's ({tokenizer.vocab_size}, {tokenizer.name}); set "
+                          "reward_model.tokenizer to the reward model's own tokenizer")
 
 
 class RewardModelWorker:
