@@ -1,13 +1,14 @@
 """scripts/train_rm.py: train a reward model with the Bradley-Terry loss and save it as an HF folder.
 
 The model is the critic's module (GPT trunk + scalar `ValueHead`), started from the actor's initial
-weights (model.path, or the config's random init) with a fresh head, trained at the config's
-TP x PP x DP through megatron's pipeline schedule on preference pairs generated from the training
-prompts (`preference_pairs`), and written to reward_model.path as a *ForSequenceClassification
-folder that transformers and train_ppo.py load. Inputs are built as the PPO reward model reads
-them (`workers.reward_model`: the actor's ids, or re-encoded for reward_model.tokenizer) and scored
-at the same token. Loss per pair: -log sigmoid(r_chosen - r_rejected), averaged over the DP-global
-batch. The head's bias stays frozen at zero: HF's score layer has none and the loss cannot see it.
+weights (model.path, or the config's random init) with a fresh head (or model.path's reward head),
+trained at the config's TP x PP x DP through megatron's pipeline schedule on preference pairs
+generated from the training prompts (`preference_pairs`), and written to reward_model.path as a
+*ForSequenceClassification folder that transformers and train_ppo.py load. Inputs are built as the
+PPO reward model reads them (`workers.reward_model`: the actor's ids, or re-encoded for
+reward_model.tokenizer) and scored at the same token. Loss per pair: -log sigmoid(r_chosen -
+r_rejected), averaged over the DP-global batch. The head's bias stays at zero: HF's score layer has
+none and the loss cannot see it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from hybridrl.config import Config, ConfigError
 from hybridrl.data import left_pad
 from hybridrl.log import print0
-from hybridrl.workers.engine import ModelEngine, dp_sum
+from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
 from hybridrl.workers.reward_model import build_reencoder, check_vocab, score_positions
 
 
@@ -73,12 +74,9 @@ def _pair_sets(cfg: Config, tokenizer, train_rows, val_rows, pad_id: int):
 
 def pair_micro_batches(pairs: Dict[str, torch.Tensor], micro_pairs: int, pad_id: int) -> List[dict]:
     """Equal micro-batches of k pairs: rows [chosen_1..k, rejected_1..k] and the token each row is scored at."""
-    n = pairs["chosen_ids"].shape[0]
-    size = max(d for d in range(1, min(micro_pairs, n) + 1) if n % d == 0)
     out = []
-    for i in range(0, n, size):
-        ids = torch.cat([pairs["chosen_ids"][i:i + size], pairs["rejected_ids"][i:i + size]])
-        mask = torch.cat([pairs["chosen_mask"][i:i + size], pairs["rejected_mask"][i:i + size]])
+    for mb in split_micro_batches(pairs, micro_pairs):
+        ids, mask = (torch.cat([mb[f"chosen_{k}"], mb[f"rejected_{k}"]]) for k in ("ids", "mask"))
         out.append({"input_ids": ids, "attention_mask": mask, "score_index": score_positions(ids, mask, pad_id)})
     return out
 
@@ -148,7 +146,9 @@ def _build(cfg: Config, groups, init_folder: str, total_steps: int):
 
     tc = cfg.reward_model.train
     model, spec, _ = critic_from_hf(init_folder, groups, cfg.model.params_dtype, seed=tc.seed)
-    if groups.is_last_stage:
+    if groups.is_last_stage:  # a fresh head's bias is 0; one loaded from model.path is zeroed (HF has none)
+        with torch.no_grad():
+            model.output_layer.value_head.bias.zero_()
         model.output_layer.value_head.bias.requires_grad_(False)
     module = _trainable(model, cfg)
     optimizer = build_optimizer(module, tc.optim, groups, total_steps, cfg.parallel.use_distributed_optimizer,
