@@ -13,7 +13,8 @@ from hybridrl.log import print0, setup_logging
 from hybridrl.trainer import PPOTrainer, TrainingError
 
 CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
-                "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean", "timing_s/step")
+                "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean",
+                "timing_s/step")
 
 
 def _total_steps(cfg: Config, loader) -> int:
