@@ -122,7 +122,7 @@ class PPOTrainer:
     def score(self, batch, prompts, n: int, use_reward_model: bool = True) -> torch.Tensor:
         """Rule scores of the decoded responses; with a reward model (training only) its scores, kept in
         batch["rm_scores"], replace them or are added to them (reward_model.combine)."""
-        real = batch["attention_mask"][:, -batch["responses"].shape[1]:]  # the response's real tokens, as verl decodes
+        real = batch["attention_mask"][:, -batch["responses"].shape[1]:]  # the response's real tokens (verl)
         texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(batch["responses"], real)]
         rep = lambda xs: [x for x in xs for _ in range(n)]
         rm, combine = (self.roles.reward_model if use_reward_model else None), self.cfg.reward_model.combine
