@@ -4,7 +4,7 @@ import torch
 
 from dist_helper import run_distributed
 
-from hybridrl.parallel.distributed import _first_slurm_host, launch_env
+from hybridrl.parallel.distributed import _first_slurm_host, export_launch_env, launch_env
 
 
 def test_launch_env_torchrun_and_slurm():
@@ -15,6 +15,17 @@ def test_launch_env_torchrun_and_slurm():
     assert (le.rank, le.world_size, le.local_rank, le.master_addr) == (5, 16, 5, "gpu012")
     assert launch_env({}).world_size == 1
     assert _first_slurm_host("node7") == "node7"
+
+
+def test_bare_srun_gets_the_variables_vllm_external_launcher_reads():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[012-015]",
+           "MASTER_PORT": "4242"}
+    export_launch_env(launch_env(env), env)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+        "5", "1", "16", "gpu012", "4242")
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0"}
+    export_launch_env(launch_env(torchrun), torchrun)
+    assert (torchrun["RANK"], torchrun["LOCAL_RANK"], torchrun["MASTER_ADDR"]) == ("3", "1", "h0")
 
 
 def _groups_body(tp, pp):

@@ -67,18 +67,24 @@ def new_rollout_groups(rollout_tp: int) -> RolloutGroups:
 def join_requests(prompts: list, seeds: list, groups: RolloutGroups | None):
     """(all prompts, all seeds, (lo, hi)) of the rollout-TP group, which decodes as one batch.
 
-    Ranks of one group may bring different prompts (their training-DP shards) or the same ones
-    (training TP/PP peers); identical requests are generated once. [lo, hi) are this rank's prompts.
+    Ranks of one group may bring different prompts (their training-DP shards), the same ones
+    (training TP/PP peers when rollout TP > training TP), or none (peers that receive the result
+    by broadcast); each distinct contribution is generated once. [lo, hi) are this rank's prompts.
     """
     if groups is None or groups.tp == 1:
         return prompts, seeds, (0, len(prompts))
     gathered = [None] * groups.tp
     dist.all_gather_object(gathered, ([list(p) for p in prompts], list(seeds)), group=groups.tp_group)
-    if all(g == gathered[0] for g in gathered):
-        return prompts, seeds, (0, len(prompts))
-    start = sum(len(g[0]) for g in gathered[:groups.tp_rank])
-    return ([p for g in gathered for p in g[0]], [s for g in gathered for s in g[1]],
-            (start, start + len(prompts)))
+    joint_prompts, joint_seeds, offsets = [], [], {}
+    for rank_prompts, rank_seeds in gathered:
+        key = (tuple(map(tuple, rank_prompts)), tuple(rank_seeds))
+        if key not in offsets:
+            offsets[key] = len(joint_prompts)
+            joint_prompts += rank_prompts
+            joint_seeds += rank_seeds
+    mine = gathered[groups.tp_rank]
+    lo = offsets[(tuple(map(tuple, mine[0])), tuple(mine[1]))]
+    return joint_prompts, joint_seeds, (lo, lo + len(prompts))
 
 
 # ---- live-memory accounting ------------------------------------------------------------------------

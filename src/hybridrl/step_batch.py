@@ -1,5 +1,9 @@
 """Tensors of one PPO step: prompts + rollout → the batch the workers consume; DP gather/slice.
 
+The batch is placed on the run's device (`ParallelGroups.device`) once, here, where it is assembled;
+every collective below runs on tensors of that device (nccl reduces CUDA tensors only).
+One rank of each model replica (TP x PP) generates its DP shard's rollout and broadcasts it to the
+replica (`broadcast_rollout`), so peers never depend on separate generations agreeing bitwise.
 Advantage estimation whitens over the whole batch (verl's single-controller semantics), so the
 few [B, R] tensors it needs are gathered over DP and each rank keeps its own slice afterwards:
 results do not depend on the DP size.
@@ -14,11 +18,17 @@ import torch.distributed as dist
 from hybridrl.parallel.distributed import ParallelGroups
 
 
+ROLLOUT_DTYPES = {"responses": torch.long, "response_mask": torch.float32, "rollout_log_probs": torch.float32}
+
+
 def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-             response_mask: torch.Tensor, n: int) -> Dict[str, torch.Tensor]:
-    """Left-padded prompts [B, P] repeated n times (prompt-major) + right-padded responses [B*n, R]."""
-    prompts = prompt_ids.repeat_interleave(n, dim=0)
-    pmask = prompt_mask.repeat_interleave(n, dim=0)
+             response_mask: torch.Tensor, n: int, device=None) -> Dict[str, torch.Tensor]:
+    """Left-padded prompts [B, P] repeated n times (prompt-major) + right-padded responses [B*n, R],
+    all on `device` (default: the responses' device)."""
+    device = responses.device if device is None else torch.device(device)
+    responses, response_mask = responses.to(device), response_mask.to(device)
+    prompts = prompt_ids.to(device).repeat_interleave(n, dim=0)
+    pmask = prompt_mask.to(device).repeat_interleave(n, dim=0)
     return {
         "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": torch.cat([pmask.to(response_mask.dtype), response_mask], dim=1),
@@ -28,8 +38,31 @@ def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: tor
     }
 
 
+def is_rollout_source(groups: ParallelGroups) -> bool:
+    """Whether this rank generates its DP shard's rollout (rank 0 of its model-parallel group)."""
+    return groups.tp * groups.pp == 1 or dist.get_rank(group=groups.mp_group) == 0
+
+
+def broadcast_rollout(tensors: Dict[str, torch.Tensor] | None, rows: int, width: int,
+                      groups: ParallelGroups) -> Dict[str, torch.Tensor]:
+    """The source's rollout tensors ([rows, width], `ROLLOUT_DTYPES`, on groups.device) on every rank
+    of its model replica; `tensors` is None on the other ranks."""
+    if groups.tp * groups.pp == 1:
+        return tensors
+    out = {}
+    for key, dtype in ROLLOUT_DTYPES.items():
+        if tensors is not None:
+            t = tensors[key].to(device=groups.device, dtype=dtype).contiguous()
+        else:
+            t = torch.empty((rows, width), dtype=dtype, device=groups.device)
+        dist.broadcast(t, group=groups.mp_group, group_src=0)
+        out[key] = t
+    return out
+
+
 def gather_dp(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
-    """Concatenate the DP shards of `t` along dim 0 (same shape on every rank)."""
+    """Concatenate the DP shards of `t` along dim 0 (same shape on every rank), on groups.device."""
+    t = t.to(groups.device)
     if groups.dp == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(groups.dp)]

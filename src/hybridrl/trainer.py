@@ -21,7 +21,7 @@ from hybridrl.offload import Offloader
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rewards.registry import combine_scores
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.step_batch import assemble, gather_dp, local_slice, pad_columns
+from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
 from hybridrl.workers.engine import dp_sum
 
 
@@ -99,31 +99,45 @@ class PPOTrainer:
         r = self.cfg.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=self.cfg.data.max_response_length,
-                              stop_token_ids=(self.tok.eos_token_id,), seed=r.seed)
+                              stop_token_ids=self.tok.eos_token_ids, seed=r.seed)
 
     def generate(self, prompts, sampling: SamplingParams, step: int) -> Dict[str, torch.Tensor]:
-        """Responses for this rank's prompts, padded to max_response_length."""
-        ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)]
+        """Responses for this rank's prompts, padded to max_response_length, on the run's device.
+
+        One rank of each model replica generates (every rank still enters the engine, which may be
+        collective) and broadcasts the result to its TP/PP peers.
+        """
+        source, R = is_rollout_source(self.groups), self.cfg.data.max_response_length
+        ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)] if source else []
+        seeds = prompt_seeds(sampling.seed, step, prompts.index) if source else []
         for offloader in self.offloaders:  # hybrid engine: training state leaves the device
             offloader.offload()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # vLLM's sleep-mode pool allocates outside torch's cache
         self.rollout.wake_up()
-        out = self.rollout.generate(ids, sampling, prompt_seeds(sampling.seed, step, prompts.index))
+        out = self.rollout.generate(ids, sampling, seeds)
         if self.cfg.rollout.free_cache_engine:
             self.rollout.sleep()
         for offloader in self.offloaders:
             offloader.onload()
-        R = self.cfg.data.max_response_length
-        responses = pad_columns(out.responses, R, self.tok.pad_token_id)
-        mask = pad_columns(out.response_mask.float(), R, 0.0)
-        batch = assemble(prompts.input_ids, prompts.attention_mask, responses, mask, sampling.n)
-        batch["rollout_log_probs"] = pad_columns(out.log_probs.float(), R, 0.0)
+        mine = None
+        if source:
+            device = self.groups.device
+            mine = {"responses": pad_columns(out.responses.to(device), R, self.tok.pad_token_id),
+                    "response_mask": pad_columns(out.response_mask.to(device, torch.float32), R, 0.0),
+                    "rollout_log_probs": pad_columns(out.log_probs.to(device, torch.float32), R, 0.0)}
+        rollout = broadcast_rollout(mine, len(prompts) * sampling.n, R, self.groups)
+        batch = assemble(prompts.input_ids, prompts.attention_mask, rollout["responses"], rollout["response_mask"],
+                         sampling.n, self.groups.device)
+        batch["rollout_log_probs"] = rollout["rollout_log_probs"]
         return batch
 
     def score(self, batch, prompts, n: int, use_reward_model: bool = True) -> torch.Tensor:
         """Rule scores of the decoded responses; with a reward model (training only) its scores, kept in
         batch["rm_scores"], replace them or are added to them (reward_model.combine)."""
-        real = batch["attention_mask"][:, -batch["responses"].shape[1]:]  # the response's real tokens (verl)
-        texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(batch["responses"], real)]
+        responses = batch["responses"].cpu()  # one copy to the host
+        real = batch["attention_mask"][:, -responses.shape[1]:].cpu()  # the response's real tokens (verl)
+        texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(responses, real)]
         rep = lambda xs: [x for x in xs for _ in range(n)]
         rm, combine = (self.roles.reward_model if use_reward_model else None), self.cfg.reward_model.combine
         rule = None
@@ -131,10 +145,10 @@ class PPOTrainer:
             rule = _finite(self.reward_fn(texts, rep(prompts.data_source), rep(prompts.ground_truth),
                                           rep(prompts.extra_info)), "reward function")
         if rm is None:
-            return rule.float()
+            return rule.to(self.groups.device, torch.float32)
         with self.on_device(rm):
             batch["rm_scores"] = _finite(rm.compute_rm_score(batch, rep(prompts.messages), texts), "reward model")
-        return combine_scores(rule, batch["rm_scores"], combine)
+        return combine_scores(rule, batch["rm_scores"], combine).to(self.groups.device)
 
     def compute_advantages(self, batch, scores) -> Dict[str, float]:
         """KL-in-reward and advantages over the DP-global batch; each rank keeps its slice."""
@@ -186,7 +200,7 @@ class PPOTrainer:
         r = self.cfg.rollout
         sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=1.0, top_k=-1,
                                   max_new_tokens=self.cfg.data.max_response_length,
-                                  stop_token_ids=(self.tok.eos_token_id,), seed=r.seed)
+                                  stop_token_ids=self.tok.eos_token_ids, seed=r.seed)
         totals: Dict[str, list] = {}
         for prompts in val_loader:
             if len(prompts) == 0:

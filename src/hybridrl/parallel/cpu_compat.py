@@ -17,6 +17,8 @@ Patches (verified against megatron-core 0.16.1, torch 2.13.0 CPU):
    maps "cuda" devices to CPU, entered only around schedule calls and DDP construction (it costs
    ~25% of a tiny model's forward, so the rollout's plain forwards run without it), and a no-op
    synchronize.
+`standing_in_for_cuda(device)` makes another device take CUDA's place in 1 and 4 (the CPU otherwise):
+tests/virtual_device.py uses it to emulate an accelerator whose tensors must never meet host tensors.
 """
 from __future__ import annotations
 
@@ -27,6 +29,21 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
+_STANDIN = [torch.device("cpu")]  # the device that takes CUDA's place
+
+
+def cuda_standin() -> torch.device:
+    return _STANDIN[0]
+
+
+@contextlib.contextmanager
+def standing_in_for_cuda(device):
+    """Inside the block, `torch.cuda.current_device()` and explicit "cuda" devices mean `device`."""
+    _STANDIN.insert(0, torch.device(device))
+    try:
+        yield
+    finally:
+        _STANDIN.pop(0)
 
 
 def _is_cuda_device(device) -> bool:
@@ -39,13 +56,13 @@ class CudaToCpuMode(TorchFunctionMode):
     """Rewrites an explicit CUDA device argument (keyword `device`, or a `.to("cuda")`) to CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs, standin = kwargs or {}, cuda_standin()
         if "device" in kwargs and (_is_cuda_device(kwargs["device"]) or isinstance(kwargs["device"], int)):
-            kwargs = dict(kwargs, device="cpu")
+            kwargs = dict(kwargs, device=standin)
         if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu") + tuple(args[2:])
+            args = (args[0], standin) + tuple(args[2:])
         if func is torch.Tensor.cuda:
-            return args[0]
+            return args[0] if standin.type == "cpu" else args[0].to(standin)
         return func(*args, **kwargs)
 
 
@@ -92,7 +109,7 @@ def apply() -> bool:
         return False
     if _APPLIED:
         return True
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_device = cuda_standin
     torch.cuda.synchronize = lambda device=None: None
     _patch_masks()
     _patch_rng()
@@ -104,7 +121,7 @@ def without_cuda_mode():
     """Inside a `cuda_to_cpu()` block: run a model forward without the per-op Python hook (the
     forward itself has no literal CUDA devices once the patches above are in; measured 0.78x the
     time of a hooked log-prob pass on the tiny demo)."""
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or cuda_standin().type != "cpu":  # an emulated device keeps its hooks
         return contextlib.nullcontext()
     return torch._C.DisableTorchFunction()
 

@@ -49,9 +49,28 @@ def launch_env(environ=None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
 
 
+def export_launch_env(le: LaunchEnv, environ=None) -> None:
+    """Set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from `le` where the launcher did not.
+
+    A bare `srun` sets only SLURM_* variables; vLLM's `external_launcher` reads RANK and LOCAL_RANK.
+    """
+    env = os.environ if environ is None else environ
+    for key, value in (("RANK", le.rank), ("LOCAL_RANK", le.local_rank), ("WORLD_SIZE", le.world_size),
+                       ("MASTER_ADDR", le.master_addr), ("MASTER_PORT", le.master_port)):
+        env.setdefault(key, str(value))
+
+
+def run_device() -> torch.device:
+    """The one device of this process: its CUDA device (set from LOCAL_RANK at init), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     """Initialise the default process group (idempotent) and the CPU patches when there is no CUDA."""
     le = launch_env()
+    export_launch_env(le)
     cpu_compat.apply()
     if dist.is_initialized():
         return le
@@ -76,6 +95,8 @@ class ParallelGroups:
     pp_group: object
     dp_group: object
     mp_group: object  # tp x pp: one model replica
+    device: torch.device = torch.device("cpu")
+    """Where this process's batch tensors live and its collectives run (`run_device()`)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -105,7 +126,7 @@ def current_groups() -> ParallelGroups:
         dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group())
+        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(), device=run_device())
 
 
 def destroy() -> None:

@@ -81,7 +81,6 @@ def dp_sum(values: Dict[str, float], groups: ParallelGroups) -> Dict[str, float]
     if groups.dp == 1 or not values:
         return dict(values)
     keys = sorted(values)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # nccl reduces CUDA tensors only
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=groups.device)
     dist.all_reduce(t, group=groups.dp_group)
     return dict(zip(keys, t.tolist()))
