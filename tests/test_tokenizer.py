@@ -138,3 +138,46 @@ def test_bad_files_and_folders(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json") as e:
         load_tokenizer(str(empty))
     assert str(empty) in str(e.value)
+
+
+def _qwen2_like_folder(tmp_path, generation_eos):
+    """A folder laid out like Qwen2-Instruct's: eos_token <|im_end|>; generation_config.json may list
+    <|im_end|> and <|endoftext|> (Qwen2-Instruct's eos_token_id: [151645, 151643])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "qwen2_like"
+    folder.mkdir()
+    vocab = {"a": 0, "b": 1, "<|endoftext|>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    if generation_eos is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return str(folder)
+
+
+def test_every_eos_id_of_the_generation_config_stops(tmp_path):
+    tok = load_tokenizer(_qwen2_like_folder(tmp_path, [4, 2]))
+    assert tok.eos_token_id == 4 and tok.eos_token_ids == (4, 2)
+
+
+def test_eos_ids_from_the_model_folder_and_without_a_generation_config(tmp_path):
+    folder = _qwen2_like_folder(tmp_path, None)
+    assert load_tokenizer(folder).eos_token_ids == (4,)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert load_tokenizer(folder, str(model)).eos_token_ids == (4, 2)
+    assert load_tokenizer(TINY_SPEC).eos_token_ids == (1,)
+
+
+def test_training_sampling_stops_on_every_eos(tmp_path):
+    import types
+
+    from hybridrl.config import Config
+    from hybridrl.trainer import PPOTrainer
+
+    trainer = types.SimpleNamespace(cfg=Config(), tok=load_tokenizer(_qwen2_like_folder(tmp_path, [4, 2])))
+    assert set(PPOTrainer.train_sampling(trainer).stop_token_ids) == {2, 4}

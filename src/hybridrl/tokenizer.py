@@ -1,7 +1,10 @@
 """One small tokenizer interface over HF tokenizer folders, SentencePiece models and `builtin:tiny`.
 
 `load_tokenizer(spec)` returns a `Tokenizer` with `encode`, `decode`, `apply_chat_template`,
-`pad_token_id`, `eos_token_id`, `vocab_size`; the rest of hybridrl uses only these. `builtin:tiny`
+`pad_token_id`, `eos_token_id`, `eos_token_ids`, `vocab_size`; the rest of hybridrl uses only these.
+`eos_token_ids` are all the ids that end a response: the tokenizer's eos plus every `eos_token_id` of a
+`generation_config.json` beside it or in the model folder (Qwen2-Instruct ends turns with
+<|im_end|> and also stops on <|endoftext|>). `builtin:tiny`
 is a character-level vocabulary (digits, arithmetic signs, lowercase letters, a little
 punctuation) built with the `tokenizers` library and wrapped as an HF fast tokenizer, so it takes
 the same code path as a real HF folder; `save_tiny_tokenizer(folder)` writes it out as one.
@@ -9,6 +12,7 @@ This module never downloads anything: HF folders are loaded with local files onl
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, List, Sequence
 
@@ -33,6 +37,20 @@ def plain_chat_template(messages: Sequence[Dict[str, str]], add_generation_promp
     return "\n".join(lines) + ("\nAssistant:" if add_generation_prompt else "")
 
 
+def generation_eos_ids(folder: str) -> tuple:
+    """The `eos_token_id` entries (int or list) of `folder`/generation_config.json; () if none."""
+    path = os.path.join(folder, "generation_config.json") if folder else ""
+    if not path or not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        try:
+            value = json.load(f).get("eos_token_id")
+        except ValueError as e:
+            raise TokenizerError(f"'{path}' is not valid JSON ({e}); fix or remove it") from e
+    ids = value if isinstance(value, list) else [value] if value is not None else []
+    return tuple(int(i) for i in ids)
+
+
 class Tokenizer:
     """The uniform interface; subclasses wrap one backend."""
 
@@ -41,6 +59,13 @@ class Tokenizer:
     eos_token_id: int
     vocab_size: int
     has_chat_template: bool = False
+    extra_eos_token_ids: tuple = ()
+
+    @property
+    def eos_token_ids(self) -> tuple:
+        """Every id that ends a response, the primary `eos_token_id` first."""
+        rest = sorted(set(self.extra_eos_token_ids) - {self.eos_token_id})
+        return (self.eos_token_id, *rest)
 
     def encode(self, text: str) -> List[int]:
         raise NotImplementedError
@@ -150,8 +175,16 @@ def _load_hf_folder(folder: str) -> HFTokenizer:
     return HFTokenizer(hf, folder)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """An HF tokenizer folder, a SentencePiece `.model` file, or `builtin:tiny`."""
+def load_tokenizer(spec: str, model_folder: str = "") -> Tokenizer:
+    """An HF tokenizer folder, a SentencePiece `.model` file, or `builtin:tiny`; the stop ids of
+    generation_config.json in the tokenizer folder and in `model_folder` join `eos_token_ids`."""
+    tok = _load(spec)
+    folder = spec if os.path.isdir(spec) else os.path.dirname(spec) if os.path.isfile(spec) else ""
+    tok.extra_eos_token_ids = generation_eos_ids(folder) + generation_eos_ids(model_folder)
+    return tok
+
+
+def _load(spec: str) -> Tokenizer:
     if spec == TINY_SPEC:
         return HFTokenizer(build_tiny_hf_tokenizer(), TINY_SPEC)
     if spec.startswith("builtin:"):

@@ -67,7 +67,7 @@ def _setup(cfg: Config):
     setup_logging()
     le = init_distributed()
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
     groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed)
     if le.rank == 0:

@@ -2,15 +2,22 @@
 
 One LLM per torchrun rank with `distributed_executor_backend="external_launcher"`: vLLM's torchrun
 mode, where the engine core and its single worker live in this process (it requires
-VLLM_ENABLE_V1_MULTIPROCESSING=0) and TP groups of consecutive ranks are formed over the existing
+VLLM_ENABLE_V1_MULTIPROCESSING=0 and reads RANK / LOCAL_RANK, which `parallel.distributed` exports
+for bare srun launches too) and TP groups of consecutive ranks are formed over the existing
 torch.distributed world, the groups acting as independent data-parallel replicas. Also
 `enable_sleep_mode=True`, `skip_tokenizer_init=True` (token ids in and out) and `load_format="dummy"`
-when the trainer streams the weights in. Weight updates go through `LLM.collective_rpc(fn, args=...)`,
-which calls `fn(worker, ...)` in the worker; there the model's own `load_weights(iterable of (HF name,
-full tensor))` shards them for vLLM's TP. Sampling uses one request per (prompt, sample) with the
-per-sample seed from `base.sample_seed`, `n=1`, `logprobs=0` (the sampled token's log-prob).
-vLLM reports raw log-probs (`logprobs_mode="raw_logprobs"`, before temperature), which equal
-log_softmax(logits / T) for T in {0, 1}; at other temperatures recompute them with the actor.
+when the trainer streams the weights in; the config-only model folder is removed with the engine.
+Build it while the training state is offloaded: vLLM's worker refuses to start with less than
+`gpu_memory_utilization x total` memory free. Weight updates go through
+`LLM.collective_rpc(fn, args=...)`, which calls `fn(worker, ...)` in the worker; there the model's own
+`load_weights(iterable of (HF name, full tensor))` shards them for vLLM's TP; the prefix cache is
+reset after every load (cached KV blocks were computed with the old weights).
+Sampling uses one request per (prompt, sample) with the per-sample seed from `base.sample_seed`,
+`n=1`, `logprobs=0` (the sampled token's log-prob), and every eos id as a stop token.
+Log-probs: from vLLM 0.10.2 the engine is built with `logprobs_mode="processed_logprobs"`, the
+log-softmax of the logits after temperature (and after top-k / top-p, when those are on: then they
+are the log-probs of the truncated distribution vLLM actually sampled from). Older versions report
+raw log-probs (before temperature), which equal log_softmax(logits / T) only for T in {0, 1}.
 vLLM's sampler differs from the native engine's, so samples match only in distribution.
 """
 from __future__ import annotations
@@ -18,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 import warnings
-from typing import Iterable
+import weakref
+from typing import Iterable, Sequence
 
 import torch
 
@@ -31,6 +40,7 @@ from hybridrl.reshard import join_requests, new_rollout_groups
 from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output, weight_checksum
 
 MIN_VLLM_VERSION = (0, 10, 0, 1)
+PROCESSED_LOGPROBS_VERSION = (0, 10, 2, 0)  # first release with LLM(logprobs_mode=...)
 INSTALL_HINT = "pip install -r requirements-gpu.txt"
 SLEEP_TAGS = ("weights", "kv_cache")  # what LLM.wake_up(tags=...) can wake separately
 
@@ -82,23 +92,31 @@ class VLLMEngine:
 
     Built from `spec` + `cfg` (a `config.RolloutConfig`): the model folder defaults to a config-only
     dummy folder and `load_format="dummy"` (the trainer streams the weights in). `llm=` wraps an
-    LLM built elsewhere instead. Token ids in and out: no tokenizer is loaded, so `eos_id` is passed
-    to vLLM as a stop token.
+    LLM built elsewhere instead. Token ids in and out: no tokenizer is loaded, so `eos_id` (one id or
+    all of them) is passed to vLLM as stop tokens.
     """
 
     def __init__(self, spec: GPTSpec | None = None, cfg: RolloutConfig | None = None, pad_id: int = 0,
-                 eos_id: int | None = None, model_path: str | None = None, dtype: str = "bfloat16",
-                 max_model_len: int | None = None, load_format: str = "dummy", llm=None, **llm_kwargs):
-        self.pad_id, self.eos_id, self.groups, self._asleep = pad_id, eos_id, None, set()
+                 eos_id: int | Sequence[int] | None = None, model_path: str | None = None,
+                 dtype: str = "bfloat16", max_model_len: int | None = None, load_format: str = "dummy",
+                 llm=None, **llm_kwargs):
+        self.pad_id, self.groups, self._asleep = pad_id, None, set()
+        self.eos_ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+        self._warned: set = set()
         if llm is not None:
             self.llm, self.vllm = llm, None
             return
         cfg = cfg or RolloutConfig(name="vllm")
         self.vllm = import_vllm()
+        if _version_tuple(self.vllm.__version__) >= PROCESSED_LOGPROBS_VERSION:
+            llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         # external_launcher asserts an in-process engine core; collective_rpc then passes tensors by reference
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if model_path is None:
+            model_path = dummy_model_folder(spec, dtype)
+            self._remove_folder = weakref.finalize(self, shutil.rmtree, model_path, True)
         self.llm = self.vllm.LLM(
-            model=model_path or dummy_model_folder(spec, dtype), load_format=load_format,
+            model=model_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_model_parallel_size, dtype=dtype, seed=cfg.seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len or spec.max_position_embeddings, skip_tokenizer_init=True,
@@ -106,9 +124,30 @@ class VLLMEngine:
         # vLLM forms its TP groups from consecutive ranks, as new_rollout_groups does
         self.groups = new_rollout_groups(cfg.tensor_model_parallel_size)
 
+    @property
+    def logprobs_mode(self) -> str:
+        """The engine's `ModelConfig.logprobs_mode` ("raw_logprobs" before vLLM 0.10.2)."""
+        model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        return getattr(model_config, "logprobs_mode", "raw_logprobs")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def _check_log_prob_semantics(self, sampling: SamplingParams) -> None:
+        processed = str(self.logprobs_mode).endswith("processed_logprobs")
+        if not processed and sampling.temperature not in (0, 1):
+            self._warn_once("raw", "this vLLM returns log-probs before temperature; recompute them with the "
+                                   f"actor (temperature={sampling.temperature}) or upgrade vLLM to >= 0.10.2")
+        filtered = sampling.top_p < 1 or 0 < sampling.top_k
+        if processed and filtered and sampling.temperature > 0:
+            self._warn_once("filtered", "with top-k/top-p vLLM's log-probs are those of the truncated "
+                                        "distribution it samples from, not the full-vocabulary log-softmax")
+
     def _sampling_params(self, sampling: SamplingParams, seed: int):
         vllm = self.vllm if self.vllm is not None else import_vllm()
-        stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        stops = set(sampling.stop_token_ids) | set(self.eos_ids)
         return vllm.SamplingParams(
             n=1, seed=seed, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
@@ -116,9 +155,7 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  prompt_seeds: list[int] | None = None) -> RolloutOutput:
-        if sampling.temperature not in (0, 1):
-            warnings.warn("vLLM returns log-probs before temperature; recompute them with the actor "
-                          f"(temperature={sampling.temperature})", stacklevel=2)
+        self._check_log_prob_semantics(sampling)
         if prompt_seeds is None:
             prompt_seeds = [sampling.seed + i for i in range(len(prompt_token_ids))]
         # every rank of a vLLM TP group must submit the same requests
@@ -126,7 +163,7 @@ class VLLMEngine:
         rows = expand_requests(joint, sampling, seeds)
         prompts = [{"prompt_token_ids": p} for p, _ in rows]
         params = [self._sampling_params(sampling, seed) for _, seed in rows]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
         tokens, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -140,10 +177,12 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """One bucket into the (single, in-process) worker; returns the worker's checksums.
 
-        Wakes only the weights of a sleeping engine first (the KV cache stays freed until generate).
+        Wakes only the weights of a sleeping engine first (the KV cache stays freed until generate);
+        afterwards the prefix cache is reset, since its blocks hold keys/values of the old weights.
         """
         self.wake_up(["weights"])
         results = self.llm.collective_rpc(load_weights_on_worker, args=(list(weights),))
+        self.llm.reset_prefix_cache()
         return results[0]
 
     def sleep(self) -> None:
@@ -158,4 +197,3 @@ class VLLMEngine:
         if todo:
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
-
