@@ -77,11 +77,11 @@ def gather_vocab(local: torch.Tensor, groups) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def mcore_logits(model, spec, groups, batch) -> torch.Tensor | None:
+def mcore_logits(model, spec, groups, batch, padding=None) -> torch.Tensor | None:
     """Full-vocab logits [B, S, V] of the replica, on its last stage's TP rank 0 (else None)."""
     from hybridrl.models.forward import pipeline_forward
 
-    outs = pipeline_forward(model, [batch])
+    outs = pipeline_forward(model, [batch], padding=padding)
     if not groups.is_last_stage:
         return None
     full = gather_vocab(outs[0]["output"], groups)[..., :spec.vocab_size]

@@ -51,9 +51,10 @@ def _small_layouts_run(folders, layouts):
             if tp > 1 and not CASES[name][1]:
                 continue
             model, spec = model_from_hf(folder, groups)
-            logits = mcore_logits(model, spec, groups, ragged_batch(spec.vocab_size))
-            if logits is not None and groups.dp_rank == 0:
-                results[(tp, pp, name)] = logits
+            for padding in ("mask", "left_align"):  # left_align: the Transformer Engine spec's path
+                logits = mcore_logits(model, spec, groups, ragged_batch(spec.vocab_size), padding)
+                if logits is not None and groups.dp_rank == 0:
+                    results[(tp, pp, name, padding)] = logits
             if (tp, pp) == (1, 1):
                 results[("inv_freq", name)] = model.rotary_pos_emb.inv_freq.clone()
     return results
@@ -66,11 +67,12 @@ def test_logits_match_transformers_tp_pp_up_to_2(folders, references):
     for r in run_distributed(_small_layouts_run, 2, folders, layouts):
         merged.update(r)
     inv_freq = {k[1]: merged.pop(k) for k in list(merged) if k[0] == "inv_freq"}
-    expected = {(tp, pp, n) for tp, pp in layouts for n in folders if tp == 1 or CASES[n][1]}
+    expected = {(tp, pp, n, padding) for tp, pp in layouts for n in folders if tp == 1 or CASES[n][1]
+                for padding in ("mask", "left_align")}
     assert set(merged) == expected
-    for (tp, pp, name), logits in merged.items():
+    for (tp, pp, name, padding), logits in merged.items():
         batch, ref = references[name]
-        _assert_logits_match(logits, batch, ref, f"{name} tp={tp} pp={pp}")
+        _assert_logits_match(logits, batch, ref, f"{name} tp={tp} pp={pp} padding={padding}")
     # rope frequencies exactly as transformers computes them (llama3 scaling barely moves short logits)
     for name, freq in inv_freq.items():
         torch.testing.assert_close(freq, _hf_inv_freq(folders[name]), rtol=1e-6, atol=0, msg=name)
@@ -199,3 +201,71 @@ def test_name_maps_and_layer_offsets():
     assert inverse["model.layers.3.self_attn.v_proj.bias"] == ("decoder.layers.3.self_attention.linear_qkv.bias", 2)
     assert inverse["model.layers.0.mlp.up_proj.weight"] == ("decoder.layers.0.mlp.linear_fc1.weight", 1)
     assert set(inverse) == set(hc.hf_shapes(spec))
+
+
+# ---- the Transformer Engine layer spec's names (pure mapping: TE itself is not needed) --------------
+
+def _te_spec(**kw):
+    from hybridrl.models.gpt import GPTSpec
+
+    return GPTSpec(num_layers=4, hidden_size=8, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
+                   vocab_size=10, qkv_bias=True, layer_spec="te", **kw)
+
+
+def test_te_names_are_megatrons_local_to_te_map():
+    """Our TE names == megatron's own `sharded_state_dict_keys_map` (local -> TE) applied to the local names."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
+    te = _te_spec()
+    local = dataclasses.replace(te, layer_spec="local")
+
+    def to_te(name):
+        for old, new in keys_map.items():
+            name = name.replace(f".{old}", f".{new}")
+        return name
+
+    for pp, pp_rank in ((1, 0), (2, 0), (2, 1)):
+        expected = [(to_te(a), to_te(b)) for a, b in hc.stage_names(local, pp, pp_rank)]
+        assert hc.stage_names(te, pp, pp_rank) == expected
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in hc.hf_to_mcore_name_map(te)
+    assert hc.hf_sources("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", te) == (
+        "model.layers.1.post_attention_layernorm.weight",)
+    with pytest.raises(KeyError, match="te layer spec"):
+        hc.hf_sources("decoder.layers.1.input_layernorm.weight", te)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_te_state_dicts_round_trip_at_tp2_pp2(tie):
+    """Synthetic HF tensors -> TE-named shards of every (tp, pp) rank -> merged -> HF: bit-exact."""
+    spec, tp, pp = _te_spec(tie_word_embeddings=tie), 2, 2
+    g = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(shape, generator=g) for n, shape in hc.hf_shapes(spec).items()}
+    shards = {(t, p): hc.stage_state(hc.DictReader(hf), spec, tp, pp, t, p) for t in range(tp) for p in range(pp)}
+    for (t, p), state in shards.items():
+        assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in state)
+        norm = "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+        assert torch.equal(state[norm], shards[(0, p)][norm])  # replicated over TP
+    back = {}
+    for glob in hc.hf_to_mcore_name_map(spec):
+        owner = hc.owner_stage(glob, spec, pp)
+        local = hc.global_to_local(glob, hc.layer_range(spec.num_layers, pp, owner).start)
+        full = hc.merge_tp(glob, [shards[(t, owner)][local] for t in range(tp)])
+        assert tuple(full.shape) == hc.mcore_full_shape(glob, spec, tp)
+        back.update(hc.mcore_to_hf(glob, full, spec))
+    assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_left_alignment_rotates_pads_and_back():
+    from hybridrl.models.forward import left_align_index, restore_alignment
+
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
+    ids = torch.arange(18).reshape(3, 6)
+    index = left_align_index(mask)
+    aligned = ids.gather(1, index)
+    assert aligned.tolist() == [[2, 3, 4, 5, 0, 1], [6, 7, 8, 9, 10, 11], [13, 14, 15, 16, 17, 12]]
+    assert torch.equal(restore_alignment(aligned[..., None].float(), index)[..., 0], ids.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        left_align_index(torch.tensor([[1, 0, 1, 1]]))

@@ -5,10 +5,13 @@ config builds a tiny model from its fields), so all roles start from the same we
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config, ConfigError, OffloadConfig
@@ -79,14 +82,34 @@ def _frozen(module):
 
 
 def build_rollout(cfg: Config, spec: GPTSpec, groups: ParallelGroups, tokenizer):
+    # the engines keep their own copy on the local layer spec: the native decode reads its raw
+    # weights, vLLM only needs the HF architecture; both receive HF-named tensors
+    spec = dataclasses.replace(spec, layer_spec="local")
     if cfg.rollout.name == "vllm":
         from hybridrl.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(spec=spec, cfg=cfg.rollout, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+        return VLLMEngine(spec=spec, cfg=cfg.rollout, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_ids)
     from hybridrl.rollout.native import NativeEngine
 
     return NativeEngine(spec, cfg.rollout.tensor_model_parallel_size, groups, cfg.model.params_dtype,
                         tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+@contextlib.contextmanager
+def training_state_offloaded(modules_and_optimizers):
+    """Everything of the trainable roles on the host (and torch's cache emptied) inside the block:
+    vLLM's worker starts only with gpu_memory_utilization x total memory free."""
+    offloaders = [Offloader(m, o, OffloadConfig(params=True, grads=True, optimizer=True))
+                  for m, o in modules_and_optimizers]
+    for offloader in offloaders:
+        offloader.offload()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        for offloader in offloaders:
+            offloader.onload()
 
 
 def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int) -> Roles:
@@ -116,9 +139,13 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
         critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
                                      cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
         critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic)
-    rollout = build_rollout(cfg, spec, groups, tokenizer)
+    owners = [(w.engine.module, w.optimizer.optimizer) for w in (actor, critic) if w is not None]
+    owners += [(ref.engine.module, None)] if ref is not None else []
+    with training_state_offloaded(owners) if cfg.rollout.name == "vllm" else contextlib.nullcontext():
+        rollout = build_rollout(cfg, spec, groups, tokenizer)
     reward_model = build_reward_model(cfg, groups, tokenizer) if cfg.reward_model.enable else None
     return Roles(spec, folder, actor, ref, critic, rollout, reward_model)
+
 
 
 def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):

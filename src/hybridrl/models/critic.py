@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridrl.models.gpt import GPTSpec, build_gpt
+from hybridrl.models.gpt import GPTSpec, build_gpt, for_this_machine
 from hybridrl.models.hf_checkpoint import (CheckpointMismatchError, SafetensorsReader, load_hf_into_mcore,
                                            mcore_to_hf_stream, unwrap_model)
 from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spec_from_hf_config
@@ -94,7 +94,7 @@ def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: in
     value head), else None (fresh seeded head).
     """
     cfg = as_config_dict(hf_folder_or_config)
-    spec = spec_from_hf_config(cfg)
+    spec = for_this_machine(spec_from_hf_config(cfg))
     check_parallel_layout(spec, groups.tp, groups.pp)
     model = build_critic(spec, groups.tp, groups.pp, groups.pp_rank, dtype, seed, **config_overrides)
     if not (isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)):

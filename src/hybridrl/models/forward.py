@@ -3,6 +3,10 @@
 At PP > 1 a stage cannot be called directly (it needs the previous stage's activations), so
 every forward, training or not, goes through `get_forward_backward_func`. Every stage receives
 the same micro-batches; the per-micro-batch results of `loss_fn` come back on the last stage only.
+Padding: the local layer spec takes an explicit [B, 1, S, S] mask. The Transformer Engine spec runs
+causal attention without a mask, so each row is left-aligned first (its leading pads rotated to the
+end, behind the right padding): then causal attention over [real tokens, pads] is exact for every
+real token, RoPE positions are the true ones, and the output is rotated back before `loss_fn`.
 """
 from __future__ import annotations
 
@@ -25,12 +29,42 @@ def causal_padding_mask(attention_mask: torch.Tensor | None, seq_len: int) -> to
     return causal[None, None] | pad_keys
 
 
+def left_align_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] column index that rotates each row left by its count of leading pads.
+
+    `x.gather(1, index)` left-aligns x; the real tokens of a row must be contiguous (left-padded
+    prompt + right-padded response), which is checked.
+    """
+    b, s = attention_mask.shape
+    real = attention_mask.bool()
+    leading = (real.long().cumsum(-1) == 0).sum(-1, keepdim=True)
+    index = (torch.arange(s, device=real.device) + leading) % s
+    aligned = real.gather(1, index)
+    if (aligned[:, 1:] & ~aligned[:, :-1]).any():
+        raise ValueError("left_align needs each row's real tokens to be contiguous (attention_mask 0..0 1..1 0..0)")
+    return index
+
+
+def restore_alignment(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Inverse of the left-alignment for a [B, S, ...] model output."""
+    inverse = torch.empty_like(index).scatter_(1, index, torch.arange(index.shape[1], device=index.device).expand_as(index))
+    rows = torch.arange(index.shape[0], device=index.device)[:, None]
+    return output[rows, inverse]
+
+
 def _forward_only_loss(output, micro_batch):
     return output.sum() * 0.0, {"output": output.detach()}
 
 
+def padding_mode(model) -> str:
+    """"mask" for the local layer spec, "left_align" for Transformer Engine (causal-only attention)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return "left_align" if getattr(model, "layer_spec_kind", "local") == "te" else "mask"
+
+
 def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None = None,
-                     forward_only: bool = True) -> list[dict]:
+                     forward_only: bool = True, padding: str | None = None) -> list[dict]:
     """Forward (and backward unless `forward_only`) over `micro_batches`; returns loss_fn's dicts.
 
     A micro-batch is a dict with "input_ids" [B, S] and optionally "attention_mask" [B, S]
@@ -40,6 +74,7 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     `loss_fn(output, micro_batch) -> (scalar loss, dict)`, run on the last stage; output is
     logits [B, S, V_pad/tp] for the actor, values [B, S] for the critic. The default returns
     {"output": output}. Backward: megatron divides each micro-batch loss by their number.
+    `padding`: "mask" or "left_align" (see the module docstring); default from the model's layer spec.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -47,13 +82,21 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     if any(mb["input_ids"].shape != (b, s) for mb in micro_batches):
         raise ValueError("all micro-batches must share one [B, S] shape (pipeline p2p buffers are fixed-size)")
     loss_fn = loss_fn or _forward_only_loss
+    padding = padding or padding_mode(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        ids, mask = mb["input_ids"], mb.get("attention_mask")
+        if padding == "left_align" and mask is not None:
+            index = left_align_index(mask)
+            pos = torch.arange(s, device=ids.device).expand(b, s)
+            with without_cuda_mode():
+                out = chunk(ids.gather(1, index), pos, None)
+            return out, lambda output: loss_fn(restore_alignment(output, index), mb)
         pos = mb.get("position_ids")
-        pos = torch.arange(s).unsqueeze(0).expand(b, s) if pos is None else pos
+        pos = torch.arange(s, device=ids.device).expand(b, s) if pos is None else pos
         with without_cuda_mode():
-            out = chunk(mb["input_ids"], pos, causal_padding_mask(mb.get("attention_mask"), s))
+            out = chunk(ids, pos, causal_padding_mask(mask, s))
         return out, lambda output: loss_fn(output, mb)
 
     context = torch.no_grad() if forward_only else torch.enable_grad()

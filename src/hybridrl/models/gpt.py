@@ -1,11 +1,17 @@
 """Build a megatron-core GPTModel (Qwen2/Llama shape) for this rank's TP/PP slice.
 
-`GPTSpec` holds the architecture in HF vocabulary; `build_gpt` turns it into a
-`TransformerConfig` + local layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias).
+`GPTSpec` holds the architecture in HF vocabulary plus the megatron layer spec it is built with;
+`build_gpt` turns it into a `TransformerConfig` + layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional
+QKV bias). Layer specs: "local" (plain torch modules, explicit [B, 1, S, S] attention masks; the CPU
+path) and "te" (Transformer Engine: fused kernels, flash attention, causal masks only, layernorms
+fused into the following linear, hence other state-dict names: see `hf_convert`).
+`default_layer_spec()` picks "te" on CUDA when Transformer Engine is installed.
 The model knows nothing about RL; parallelism comes from megatron-core's parallel_state.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +20,22 @@ import torch.nn.functional as F
 from hybridrl.parallel.cpu_compat import cuda_to_cpu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYER_SPECS = ("local", "te")
+
+
+def default_layer_spec() -> str:
+    """"te" on CUDA with Transformer Engine installed, else "local"."""
+    if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None:
+        return "te"
+    return "local"
+
+
+def transformer_layer_spec(kind: str):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if kind == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
 @dataclass(frozen=True)
@@ -34,6 +56,12 @@ class GPTSpec:
     """0: hidden_size // num_attention_heads."""
     rope_scaling_factor: float = 0.0
     """Llama-3 rope scaling factor (megatron's fixed low/high frequency factors 1/4, 8192 context); 0: off."""
+    layer_spec: str = "local"
+    """megatron layer spec of the build, "local" or "te"; decides the state-dict names (not the maths)."""
+
+    def __post_init__(self):
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(f"layer_spec={self.layer_spec!r} is not one of {LAYER_SPECS}")
 
     @property
     def kv_channels(self) -> int:
@@ -43,6 +71,11 @@ class GPTSpec:
         """Megatron pads the vocab to a multiple of 128 x TP; padding rows are masked out of logits."""
         step = multiple * tp
         return ((self.vocab_size + step - 1) // step) * step
+
+
+def for_this_machine(spec: GPTSpec) -> GPTSpec:
+    """`spec` with the layer spec this machine builds (`default_layer_spec`)."""
+    return dataclasses.replace(spec, layer_spec=default_layer_spec())
 
 
 def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", **overrides):
@@ -70,15 +103,15 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", 
 
 
 def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", **config_overrides):
-    """The GPTModel chunk of pipeline stage `pp_rank` (embedding on the first, head on the last)."""
+    """The GPTModel chunk of pipeline stage `pp_rank` (embedding on the first, head on the last);
+    `model.layer_spec_kind` records spec.layer_spec for the forward (see models/forward.py)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, tp, pp, dtype, **config_overrides)
     with cuda_to_cpu():  # tied embeddings at PP>1 call .cuda() on the output copy
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=transformer_layer_spec(spec.layer_spec),
             vocab_size=spec.padded_vocab_size(tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pp_rank == 0,
@@ -90,6 +123,7 @@ def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float
             rope_scaling=spec.rope_scaling_factor > 0,
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         )
+    model.layer_spec_kind = spec.layer_spec
     if not torch.cuda.is_available():
         return model
     return model.cuda()

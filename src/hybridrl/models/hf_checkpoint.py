@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models import hf_convert as hc
-from hybridrl.models.gpt import GPTSpec, build_gpt
+from hybridrl.models.gpt import GPTSpec, build_gpt, for_this_machine
 from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spec_from_hf_config
 
 __all__ = ["SafetensorsReader", "CheckpointMismatchError", "check_checkpoint", "load_hf_into_mcore",
@@ -141,13 +141,14 @@ def mcore_to_hf_stream(model, spec: GPTSpec, groups, head: str = "lm") -> Iterat
     """
     offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
     local = {hc.local_to_global(k, offset): v for k, v in weight_state(model).items()}
-    dtype = next(iter(local.values())).dtype
+    sample = next(iter(local.values()))
     for global_name in hc.hf_to_mcore_name_map(spec, head):
         owner = hc.owner_stage(global_name, spec, groups.pp)
         if groups.pp_rank == owner:
             full = _gather_tp(global_name, local[global_name].detach(), groups)
-        else:
-            full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), dtype=dtype)
+        else:  # on the model's device: the broadcast below runs on nccl with CUDA
+            full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), dtype=sample.dtype,
+                               device=sample.device)
         if groups.pp > 1:
             full = full.contiguous()
             dist.broadcast(full, group=groups.pp_group, group_src=owner)
@@ -183,7 +184,7 @@ def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", **config_
     """(model, spec): this rank's GPTModel chunk, loaded from an HF folder (random init for a config).
     `config_overrides` go to megatron's TransformerConfig (e.g. activation recomputation)."""
     cfg = as_config_dict(hf_folder_or_config)
-    spec = spec_from_hf_config(cfg)
+    spec = for_this_machine(spec_from_hf_config(cfg))  # the TE layer spec on CUDA with TE installed
     check_parallel_layout(spec, groups.tp, groups.pp)
     model = build_gpt(spec, groups.tp, groups.pp, groups.pp_rank, dtype, **config_overrides)
     is_folder = isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)

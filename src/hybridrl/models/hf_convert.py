@@ -15,6 +15,11 @@ Megatron state-dict names of the local spec (`get_gpt_layer_local_spec`), global
                                                    exists only on the last stage when PP > 1), TP dim 0
 Fused QKV rows, per query group g: [the q heads of g; k_g; v_g], so a contiguous TP chunk holds whole
 groups. (`_extra_state` entries of the state dict carry no weights and are not mapped.)
+The Transformer Engine spec (`GPTSpec.layer_spec == "te"`) fuses each layernorm into the linear after
+it, so two names differ (megatron's own local->TE map, `sharded_state_dict_keys_map` of the local spec):
+  decoder.layers.i.input_layernorm.weight   -> decoder.layers.i.self_attention.linear_qkv.layer_norm_weight
+  decoder.layers.i.pre_mlp_layernorm.weight -> decoder.layers.i.mlp.linear_fc1.layer_norm_weight
+Both stay replicated over TP; everything else is named and laid out as above.
 """
 from __future__ import annotations
 
@@ -37,6 +42,10 @@ _LAYER_MAP = {
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
 }
+# the TE spec's names of the two per-layer norms (everything else is shared with the local spec)
+_TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LAYER_MAPS = {"local": _LAYER_MAP, "te": {_TE_NORMS.get(k, k): v for k, v in _LAYER_MAP.items()}}
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM, OUTPUT = "decoder.final_layernorm.weight", "output_layer.weight"
 HF_EMBEDDING, HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -101,7 +110,7 @@ def owner_stage(global_name: str, spec: GPTSpec, pp: int) -> int:
 
 def stage_names(spec: GPTSpec, pp: int, pp_rank: int, head: str = "lm") -> list[tuple[str, str]]:
     """(local, global) megatron names of the weights on stage `pp_rank`; head "lm" or "none" (trunk)."""
-    layer_keys = [k for k in _LAYER_MAP if spec.qkv_bias or not k.endswith("linear_qkv.bias")]
+    layer_keys = [k for k in _LAYER_MAPS[spec.layer_spec] if spec.qkv_bias or not k.endswith("linear_qkv.bias")]
     rng = layer_range(spec.num_layers, pp, pp_rank)
     names = [(EMBEDDING, EMBEDDING)] if pp_rank == 0 else []
     names += [(f"decoder.layers.{i - rng.start}.{k}", f"decoder.layers.{i}.{k}") for i in rng for k in layer_keys]
@@ -119,10 +128,10 @@ def hf_sources(global_name: str, spec: GPTSpec) -> tuple[str, ...]:
         return (HF_EMBEDDING,)
     if global_name in _TOP_MAP:
         return _TOP_MAP[global_name]
-    m = _LAYER.match(global_name)
-    if not m or m.group(2) not in _LAYER_MAP:
-        raise KeyError(f"no HF counterpart for megatron tensor {global_name!r}")
-    return tuple(f"model.layers.{m.group(1)}.{s}" for s in _LAYER_MAP[m.group(2)])
+    m, layer_map = _LAYER.match(global_name), _LAYER_MAPS[spec.layer_spec]
+    if not m or m.group(2) not in layer_map:
+        raise KeyError(f"no HF counterpart for megatron tensor {global_name!r} ({spec.layer_spec} layer spec)")
+    return tuple(f"model.layers.{m.group(1)}.{s}" for s in layer_map[m.group(2)])
 
 
 def hf_to_mcore_name_map(spec: GPTSpec, head: str = "lm") -> dict[str, tuple[str, ...]]:

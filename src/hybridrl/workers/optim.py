@@ -1,8 +1,11 @@
 """Optimizer and LR schedule of a trainable role.
 
 On GPU this is megatron-core's optimizer (`get_megatron_optimizer`, distributed optimizer optional).
-megatron-core's grad clipping asserts CUDA tensors, so on CPU the same contract is met by torch
-AdamW plus a global grad-norm computed over the model-parallel group (each parameter counted once).
+For fp16 its dynamic loss scaler multiplies the loss before backward through the model config's
+`grad_scale_func` (set here, as Megatron-LM's training loop does) and skips the steps whose scaled
+gradients overflowed while it lowers the scale. megatron-core's grad clipping asserts CUDA tensors,
+so on CPU the same contract is met by torch AdamW plus a global grad-norm computed over the
+model-parallel group (each parameter counted once); it has no loss scaler, so fp16 is refused there.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hybridrl.config import OptimConfig
+from hybridrl.config import ConfigError, OptimConfig
 from hybridrl.parallel.distributed import ParallelGroups
 
 
@@ -47,7 +50,7 @@ class CpuOptimizer:
         self.step_count = 0
 
     def grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         for p in self.params:
             if p.grad is not None and _counts_once(p, self.groups):
                 sq += p.grad.detach().double().pow(2).sum()
@@ -111,21 +114,37 @@ class CpuOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+# fp16's dynamic loss scale starts here (Megatron-LM's 2**32 would skip the first ~30 steps of a
+# short RL run while it halves its way down)
+INITIAL_LOSS_SCALE = 2.0 ** 16
+
+
 class MegatronOptimizer:
-    """megatron-core's optimizer (CUDA): mixed precision, distributed optimizer, clipping."""
+    """megatron-core's optimizer (CUDA): mixed precision, fp16 loss scaling, distributed optimizer, clipping."""
 
     # how megatron's optimizers describe their state for dist_checkpointing (save and load alike)
     CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
     def __init__(self, module, cfg: OptimConfig, use_distributed_optimizer: bool, total_steps: int, dtype):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.utils import get_model_config
 
+        fp16 = dtype is torch.float16
         ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
                                adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
-                               clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-                               params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer)
+                               clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=fp16,
+                               params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer,
+                               initial_loss_scale=INITIAL_LOSS_SCALE)
         self.optimizer = get_megatron_optimizer(ocfg, [module])
+        # the schedules multiply each micro-batch loss by this before backward (1 without a scaler)
+        get_model_config(module).grad_scale_func = self.optimizer.scale_loss
+        self.skips_overflow_steps = fp16
+        """A step that finds inf/NaN in fp16 gradients is skipped (the scale drops), not an error."""
         self.cfg, self.total_steps, self.step_count = cfg, total_steps, 0
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.optimizer.get_loss_scale())
 
     def step(self):
         lr = lr_at(self.step_count, self.cfg, self.total_steps)
@@ -157,4 +176,7 @@ def build_optimizer(module, cfg: OptimConfig, groups: ParallelGroups, total_step
                     use_distributed_optimizer: bool = False, dtype=torch.float32):
     if torch.cuda.is_available():
         return MegatronOptimizer(module, cfg, use_distributed_optimizer, total_steps, dtype)
+    if dtype is torch.float16:
+        raise ConfigError("model.params_dtype=float16 trains only with megatron-core's loss scaler, which "
+                          "needs CUDA; use model.params_dtype=bfloat16 (or float32 on CPU)")
     return CpuOptimizer(module, cfg, groups, total_steps)

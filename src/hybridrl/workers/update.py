@@ -52,8 +52,12 @@ def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, ap
     if not apply:
         return metrics
     updated, grad_norm, lr = optimizer.step()
-    if not updated:
+    scaled = getattr(optimizer, "skips_overflow_steps", False)  # fp16 with megatron's loss scaler
+    if not updated and not scaled:
         raise FloatingPointError(f"{role} gradient norm is not finite ({grad_norm})")
-    metrics[f"{role}/grad_norm"] = grad_norm
+    if scaled:  # an overflowing step is skipped while the scaler lowers its scale
+        metrics.update({f"{role}/loss_scale": optimizer.loss_scale, f"{role}/skipped_steps": float(not updated)})
+    if updated:
+        metrics[f"{role}/grad_norm"] = grad_norm
     metrics[f"{role}/lr"] = lr
     return metrics
