@@ -50,6 +50,9 @@ class _FakeLLM:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [method(self.worker, *args, **(kwargs or {}))]
 
+    def reset_prefix_cache(self):
+        return True
+
 
 def _expected_shards(export, spec, tp, tp_rank):
     from hybridrl.models import hf_convert as hc
@@ -204,3 +207,31 @@ def test_lean_tp_merge_equals_hf_convert_merge(monkeypatch):
         monkeypatch.setattr(reshard, "_all_gather_single", lambda out, shard, group: out.copy_(torch.cat(shards)))
         merged = reshard._gather_tp(name, shards[0], types.SimpleNamespace(tp=2, tp_group=None))
         assert torch.equal(merged, hc.merge_tp(name, shards)), name
+
+
+def _join_cases():
+    import torch.distributed as dist
+
+    from hybridrl.reshard import join_requests, new_rollout_groups
+
+    rank, groups = dist.get_rank(), new_rollout_groups(4)
+    shard = [[10 + rank // 2, 1], [20 + rank // 2]]  # ranks (0, 1) and (2, 3): two training-DP shards
+    seeds = [rank // 2, 100 + rank // 2]
+    peers = join_requests(shard, seeds, groups)  # training TP 2 < rollout TP 4: peers bring the same
+    one_source = join_requests(shard if rank % 2 == 0 else [], seeds if rank % 2 == 0 else [], groups)
+    return peers, one_source
+
+
+@pytest.mark.distributed
+def test_join_requests_generates_each_contribution_once():
+    out = run_distributed(_join_cases, 4)
+    joint = [[10, 1], [20], [11, 1], [21]]
+    for rank, (peers, one_source) in enumerate(out):
+        assert peers[0] == joint and peers[1] == [0, 100, 1, 101]
+        assert peers[2] == ((0, 2) if rank < 2 else (2, 4))
+        assert one_source[0] == joint and one_source[1] == [0, 100, 1, 101]
+        lo, hi = one_source[2]
+        if rank % 2 == 0:
+            assert (lo, hi) == ((0, 2) if rank == 0 else (2, 4))
+        else:  # a rank that receives the result by broadcast owns an empty slice
+            assert lo == hi
