@@ -15,24 +15,44 @@ import torch
 
 
 class StageTimer:
-    """`with timer("gen"):` accumulates wall time into `timing_s/gen` for the current step."""
+    """`with timer("gen"):` accumulates wall time into `timing_s/gen` for the current step.
+
+    On CUDA it also keeps each stage's peak allocated memory (`perf/max_memory_allocated_gb/gen`),
+    the measured side of the planner's phases, and the step's peaks under verl's names
+    (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`).
+    """
 
     def __init__(self):
         self.seconds: Dict[str, float] = defaultdict(float)
+        self.peak_bytes: Dict[str, int] = defaultdict(int)
+        self.reserved_bytes = 0
+        self.cuda = torch.cuda.is_available()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] += time.perf_counter() - start
+            if self.cuda:
+                self.peak_bytes[name] = max(self.peak_bytes[name], torch.cuda.max_memory_allocated())
+                self.reserved_bytes = max(self.reserved_bytes, torch.cuda.max_memory_reserved())
 
     def metrics(self) -> Dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        if self.peak_bytes:
+            out.update({f"perf/max_memory_allocated_gb/{k}": b / 2**30 for k, b in self.peak_bytes.items()})
+            out["perf/max_memory_allocated_gb"] = max(self.peak_bytes.values()) / 2**30
+            out["perf/max_memory_reserved_gb"] = self.reserved_bytes / 2**30
+        return out
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.peak_bytes.clear()
+        self.reserved_bytes = 0
 
 
 def _stats(prefix: str, x: torch.Tensor) -> Dict[str, float]:
