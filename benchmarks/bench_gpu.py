@@ -1,15 +1,21 @@
-"""GPU benchmark for one H200 (unattended, < 5 min): actor MFU and native rollout vs HF generate.
+"""GPU benchmark for one H200 (unattended, ~2 min; benchmarks/gpu_check.sh runs it): actor MFU, native
+rollout vs HF generate, weight handoff vs device memcpy.
 
-A Qwen2-0.5B-shaped model (configs/qwen2_0.5b.yaml's architecture, random weights, bf16):
-1. Actor forward + backward through megatron-core's schedule (the trainer's path, log-prob loss):
-   MFU = 6 * params * tokens / seconds / 989e12 (H200 dense bf16 peak; attention FLOPs not counted).
-2. NativeEngine rollout tokens/s at batch 64 (128 prompt + 256 new tokens, no eos), greedy and
-   sampled, against transformers `generate` on the same weights in the same process (the ratio).
+Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/qwen2_1.5b.yaml:
+1. Actor forward + backward through megatron-core's schedule (the trainer's path, log-prob loss), at
+   the 0.5B and 1.5B shapes: MFU = 6 * params * tokens / seconds / 989e12 (H200 dense bf16 peak;
+   attention FLOPs not counted, so this understates it at long sequences). Target: >= 35% at 1.5B.
+2. NativeEngine rollout tokens/s at batch 64 (128 prompt + 128 new tokens, no eos), greedy and
+   sampled, against transformers `generate` on the same weights in the same process. Target: >= 3x.
+3. `reshard.update_engine_weights` of the 0.5B actor into a NativeEngine on the same GPU (64 MiB
+   buckets, with and without checksum verification) against a device-to-device copy of the same
+   bytes, timed in alternation. Target: handoff >= 50% of memcpy bandwidth.
+(Peak memory vs the planner is measured on the 30-step GRPO run: benchmarks/gpu_check.py grpo-report.)
 
-    python benchmarks/bench_gpu.py [--no-write]     # needs a CUDA build of torch 2.13 + requirements.txt
-    .venv/bin/python benchmarks/bench_gpu.py --smoke  # tiny sizes on CPU: checks the script runs end to end
+    python benchmarks/bench_gpu.py [--fragment FILE]   # needs CUDA; prints the table, FILE gets a copy
+    python benchmarks/bench_gpu.py --smoke             # tiny sizes on CPU: checks the script end to end
 
-Writes its section to RESULTS.md and, when $OUT is set (the device runner), to $OUT/gpu_section.md.
+The RESULTS.md section `gpu` is written by benchmarks/gpu_check.py from this table and the other stages.
 """
 from __future__ import annotations
 
@@ -20,21 +26,23 @@ import time
 import benchlib as bl
 
 PEAK_BF16 = 989e12
-FULL = dict(micro=8, seq=1536, iters=6, batch=64, prompt=128, new=256)
-SMOKE = dict(micro=2, seq=32, iters=2, batch=4, prompt=8, new=8)
+FULL = dict(micro=8, seq=1536, iters=6, batch=64, prompt=128, new=128, reps=3)
+SMOKE = dict(micro=2, seq=32, iters=2, batch=4, prompt=8, new=8, reps=2)
 SIZE = dict(FULL)
 DEVICE = "cuda"
 
 
-def qwen2_05b_spec(smoke: bool = False):
+def config_spec(config: str, smoke: bool = False):
+    """GPTSpec of configs/<config>.yaml's architecture (smoke: same head layout, tiny widths)."""
     import dataclasses
 
     from hybridrl.config_io import load_config
     from hybridrl.models.gpt import GPTSpec
 
-    m = load_config(os.path.join(bl.ROOT, "configs", "qwen2_0.5b.yaml"), []).model
-    if smoke:  # same head layout (14 heads, 2 KV heads), tiny widths
-        m = dataclasses.replace(m, num_layers=2, hidden_size=112, intermediate_size=128, vocab_size=1000)
+    m = load_config(os.path.join(bl.ROOT, "configs", f"{config}.yaml"), []).model
+    if smoke:
+        m = dataclasses.replace(m, num_layers=2, hidden_size=8 * m.num_attention_heads, intermediate_size=128,
+                                vocab_size=1000)
     return GPTSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                    num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
                    vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
@@ -50,6 +58,13 @@ def _sync_time(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def build(spec):
+    from hybridrl.models.gpt import build_gpt, for_this_machine
+
+    spec = for_this_machine(spec)  # the Transformer Engine spec where TE is installed
+    return build_gpt(spec, 1, 1, 0, "bfloat16"), spec
 
 
 def actor_mfu(model, spec) -> dict:
@@ -68,6 +83,8 @@ def actor_mfu(model, spec) -> dict:
         return -lp.mean(), {}
 
     step = lambda: pipeline_forward(model, batch, loss_fn, forward_only=False)
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(2):
         step()
     seconds = sorted(_sync_time(step) for _ in range(iters))[iters // 2]
@@ -75,28 +92,30 @@ def actor_mfu(model, spec) -> dict:
     tokens = micro * seq
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     return {"params": params, "tokens": tokens, "seconds": seconds, "size": f"{micro}x{seq}",
-            "mfu": 6 * params * tokens / seconds / PEAK_BF16, "peak_gib": peak}
+            "mfu": 6 * params * tokens / seconds / PEAK_BF16, "peak_gib": peak, "layer_spec": spec.layer_spec}
 
 
-def rollout(model, spec, groups) -> dict:
+def hf_peer(weights: dict, spec):
     import torch
     import transformers
 
-    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream
     from hybridrl.models.hf_config import hf_config_from_spec
-    from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.native import NativeEngine
 
-    weights = {n: t.detach().clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
-    batch, prompt, new = SIZE["batch"], SIZE["prompt"], SIZE["new"]
-    engine = NativeEngine(spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=batch)
-    engine.load_weights(weights.items())
     hf_cfg = transformers.Qwen2Config(**{k: v for k, v in hf_config_from_spec(spec, "qwen2", "bfloat16").items()
                                          if k not in ("architectures", "model_type")})
     hf = transformers.Qwen2ForCausalLM(hf_cfg).to(device=DEVICE, dtype=torch.bfloat16).eval()
     missing, unexpected = hf.load_state_dict(weights, strict=False)  # tied: lm_head is the embedding
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"HF peer did not take the weights: missing {missing}, unexpected {unexpected}")
+    return hf
+
+
+def rollout(engine, hf, spec) -> dict:
+    import torch
+
+    from hybridrl.rollout.base import SamplingParams
+
+    batch, prompt, new = SIZE["batch"], SIZE["prompt"], SIZE["new"]
     prompts = torch.randint(3, spec.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
     out = {}
     for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
@@ -116,21 +135,48 @@ def rollout(model, spec, groups) -> dict:
     return out
 
 
-def report(mfu: dict, roll: dict) -> str:
-    rows = [["actor fwd+bwd", f"{mfu['tokens']} tokens ({mfu['size']})", f"{mfu['seconds'] * 1000:.1f} ms",
-             f"**MFU {100 * mfu['mfu']:.1f}%** ({mfu['params'] / 1e6:.0f}M params, peak {mfu['peak_gib']:.1f} GiB)"]]
+def handoff(engine, model, spec, groups) -> dict:
+    """Seconds per handoff (median, verified and not) and per device memcpy of the same bytes."""
+    import torch
+
+    from hybridrl.reshard import update_engine_weights
+
+    report = update_engine_weights(engine, model, spec, groups, 64)  # warm-up, and the byte count
+    src = torch.ones(report.total_bytes, dtype=torch.uint8, device=DEVICE)
+    memcpy = lambda: torch.empty_like(src).copy_(src)
+    memcpy()
+    times = {"verified": [], "unverified": [], "memcpy": []}
+    for _ in range(SIZE["reps"]):
+        for verify in (True, False):
+            times["verified" if verify else "unverified"].append(
+                _sync_time(lambda: update_engine_weights(engine, model, spec, groups, 64, verify=verify)))
+            times["memcpy"].append(_sync_time(memcpy))
+    return {"bytes": report.total_bytes, **{k: bl.median(v) for k, v in times.items()},
+            "peak_extra_gib": report.peak_cuda_extra_bytes / 2**30}
+
+
+def report(mfus: dict, roll: dict, hand: dict) -> str:
+    rows = []
+    for name, m in mfus.items():
+        rows.append([f"actor fwd+bwd, {name} ({m['layer_spec']} layer spec)", f"{m['tokens']} tokens ({m['size']})",
+                     f"{m['seconds'] * 1000:.1f} ms",
+                     f"**MFU {100 * m['mfu']:.1f}%** ({m['params'] / 1e6:.0f}M params, peak {m['peak_gib']:.1f} GiB)"])
     for mode, r in roll.items():
-        rows.append([f"rollout {mode}", f"batch {SIZE['batch']}, {SIZE['prompt']}+{SIZE['new']} tokens",
+        rows.append([f"rollout {mode}, 0.5B", f"batch {SIZE['batch']}, {SIZE['prompt']}+{SIZE['new']} tokens",
                      f"native {r['native']:,.0f} tok/s",
                      f"HF {r['hf']:,.0f} tok/s: **native / HF {r['native'] / r['hf']:.2f}x**"])
-    return ("## GPU (H200): actor MFU and native rollout, Qwen2-0.5B shape, bf16, random weights\n\n"
-            + bl.table(["what", "size", "time / rate", "result"], rows))
+    gb = hand["bytes"] / 1e9
+    for kind in ("verified", "unverified"):
+        rows.append([f"handoff {kind}, 0.5B -> native engine", f"{gb:.2f} GB, 64 MiB buckets",
+                     f"{hand[kind] * 1000:.0f} ms ({gb / hand[kind]:.1f} GB/s)",
+                     f"memcpy {hand['memcpy'] * 1000:.1f} ms: **{100 * hand['memcpy'] / hand[kind]:.1f}% of memcpy**"])
+    return bl.table(["what", "size", "time / rate", "result"], rows)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--no-write", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (or GPU); never writes RESULTS.md")
+    p.add_argument("--fragment", help="also write the table to this file")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, on CPU without CUDA")
     args = p.parse_args()
     import torch
 
@@ -140,22 +186,26 @@ def main() -> None:
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     elif not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device and a CUDA build of torch (--smoke runs tiny on CPU)")
-    from hybridrl.models.gpt import build_gpt
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
+    from hybridrl.rollout.native import NativeEngine
 
     init_distributed()
     groups = init_model_parallel(1, 1)
-    spec = qwen2_05b_spec(args.smoke)
-    model = build_gpt(spec, 1, 1, 0, "bfloat16")
-    text = report(actor_mfu(model, spec), rollout(model, spec, groups))
+    mfus = {}
+    for name in ("qwen2_1.5b", "qwen2_0.5b"):  # the 0.5B model stays for the rollout and handoff parts
+        model, spec = build(config_spec(name, args.smoke))
+        mfus[name] = actor_mfu(model, spec)
+    weights = {n: t.detach().clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
+    engine = NativeEngine(spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=SIZE["batch"])
+    engine.load_weights(weights.items())
+    roll = rollout(engine, hf_peer(weights, spec), spec)
+    del weights
+    text = report(mfus, roll, handoff(engine, model, spec, groups))
     print(text)
-    if args.smoke:
-        return
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_section.md"), "w") as f:
+    if args.fragment:
+        with open(args.fragment, "w") as f:
             f.write(text + "\n")
-    if not args.no_write:
-        bl.write_section("gpu", text, ("torch", "megatron-core", "transformers"))
 
 
 if __name__ == "__main__":
