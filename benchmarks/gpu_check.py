@@ -10,8 +10,8 @@
         must be under 5% of how far the straight run moved from the initial weights (a resume that
         lost the optimizer's master weights lands about half-way back).
     gpu_check.py section --dir DIR --out FILE [--write]
-        RESULTS.md's `gpu` section from the stage fragments in DIR (summary.md, bench.md, grpo.md,
-        resume.md), with the GPU and versions; --write also replaces it in benchmarks/RESULTS.md.
+        RESULTS.md's `gpu` section from the stage fragments in DIR (summary.md, tests.md, bench.md,
+        grpo.md, resume.md), with the GPU and versions; --write also replaces it in benchmarks/RESULTS.md.
     gpu_check.py paste FILE
         Here, after a GPU run: put the section FILE that came back from it into benchmarks/RESULTS.md.
 """
@@ -87,7 +87,8 @@ def grpo_report(args) -> int:
     rows = memory_rows(scalars, args.overrides) if "perf/max_memory_allocated_gb" in scalars else []
     if rows:
         lines += ["Peak allocated memory per stage (median over steps 2..N) vs the planner's phase (less its "
-                  "fixed runtime overhead); target within 10%:", "",
+                  "fixed runtime overhead); target within 10%. The trainer's `gen` stage spans the offload "
+                  "before the rollout and the onload after it, which the planner's rollout phase leaves out:", "",
                   bl.table(["stage", "planner phase", "measured GiB", "planned GiB", "measured / planned"], rows)]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -133,8 +134,8 @@ def _gpu_line() -> str:
 
 def section(args) -> int:
     parts = ["## GPU (one H200): `benchmarks/gpu_check.sh`", ""]
-    for name, title in (("summary.md", "Stages"), ("bench.md", "bench_gpu.py"), ("grpo.md", "30-step GRPO"),
-                        ("resume.md", "Save + resume")):
+    for name, title in (("summary.md", "Stages"), ("tests.md", "pytest -m cuda"), ("bench.md", "bench_gpu.py"),
+                        ("grpo.md", "30-step GRPO"), ("resume.md", "Save + resume")):
         path = os.path.join(args.dir, name)
         if os.path.isfile(path):
             parts += [f"**{title}**", "", open(path).read().rstrip(), ""]

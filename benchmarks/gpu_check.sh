@@ -20,7 +20,7 @@
 #   resume  distributed optimizer: 4 steps straight vs 2 + resume + 2; the weights must agree
 # Results under $OUT (or outputs/gpu_check): summary.md (stage, status, seconds), gpu_check.log
 # (every stage's output), gpu_section.md (RESULTS.md's `gpu` section; paste it here with
-# `python benchmarks/gpu_check.py paste FILE`), bench.md, grpo.md, resume.md.
+# `python benchmarks/gpu_check.py paste FILE`), tests.md, bench.md, grpo.md, resume.md.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -121,16 +121,25 @@ resume_check() {
     --resumed "$WORK/resumed/hf" --out "$OUTDIR/resume.md"
 }
 
+tests_check() {  # the outcome of every test, also into tests.md
+  "$PY" -m pytest -q -rA -p no:cacheprovider $PYTEST_ARGS > "$WORK/pytest.log" 2>&1
+  local rc=$?
+  cat "$WORK/pytest.log"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL)|^=+ .*(passed|failed|skipped|error).* =+$" "$WORK/pytest.log" \
+    | sed 's/^/    /' > "$OUTDIR/tests.md"
+  return $rc
+}
+
 grpo_check() {
   train $GRPO $(paths grpo) || echo "the GRPO run failed; reporting the steps it logged"
   # shellcheck disable=SC2086
   "$PY" benchmarks/gpu_check.py grpo-report --tb "$WORK/grpo/tb" --steps "$STEPS" --out "$OUTDIR/grpo.md" -- $GRPO
 }
 
-export PY WORK OUTDIR STEPS GRPO RESUME
-export -f env_report paths train resume_check grpo_check
+export PY WORK OUTDIR STEPS GRPO RESUME PYTEST_ARGS
+export -f env_report paths train tests_check resume_check grpo_check
 stage env 20 env_report
-stage tests 75 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_ARGS
+stage tests 75 tests_check
 stage grpo 200 grpo_check
 stage bench 110 "$PY" benchmarks/bench_gpu.py $BENCH_ARGS --fragment "$OUTDIR/bench.md"
 stage resume 75 resume_check
