@@ -147,7 +147,6 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     return Roles(spec, folder, actor, ref, critic, rollout, reward_model)
 
 
-
 def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
     """The frozen reward model at the training TP/PP, re-encoding for its own tokenizer when it has one."""
     from hybridrl.models.critic import reward_model_from_hf
