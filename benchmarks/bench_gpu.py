@@ -1,5 +1,5 @@
 """GPU benchmark for one H200 (unattended, ~2 min; benchmarks/gpu_check.sh runs it): actor MFU, native
-rollout vs HF generate, weight handoff vs device memcpy.
+rollout vs HF generate, weight handoff vs device memcpy, peak memory vs the planner.
 
 Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/qwen2_1.5b.yaml:
 1. Actor forward + backward through megatron-core's schedule (the trainer's path, log-prob loss), at
@@ -10,16 +10,24 @@ Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/q
 3. `reshard.update_engine_weights` of the 0.5B actor into a NativeEngine on the same GPU (64 MiB
    buckets, with and without checksum verification) against a device-to-device copy of the same
    bytes, timed in alternation. Target: handoff >= 50% of memcpy bandwidth.
-(Peak memory vs the planner is measured on the 30-step GRPO run: benchmarks/gpu_check.py grpo-report.)
+4. With `--memory-from TB_DIR -- OVERRIDES`: the peak allocated memory of each trainer stage of a run
+   (its TensorBoard `perf/max_memory_allocated_gb/<stage>`, median over steps 2..N; gpu_check.sh
+   passes its 30-step GRPO run) against the planner's phase for the same config (`planner.estimate`
+   at world size 1, less the planner's fixed runtime overhead, which torch's allocator does not see).
+   Target: every phase within 10%. Measured on a real run because the planner's phases are those of
+   a training step (optimizer state, offload, the rollout engine), which a bare forward lacks; the
+   trainer's `gen` stage also spans the offload before the rollout and the onload after it.
 
-    python benchmarks/bench_gpu.py [--fragment FILE]   # needs CUDA; prints the table, FILE gets a copy
-    python benchmarks/bench_gpu.py --smoke             # tiny sizes on CPU: checks the script end to end
+    python benchmarks/bench_gpu.py [--fragment FILE] [--memory-from TB_DIR -- OVERRIDES...]   # needs CUDA
+    python benchmarks/bench_gpu.py --smoke [...]   # tiny sizes on CPU: checks the script end to end
 
-The RESULTS.md section `gpu` is written by benchmarks/gpu_check.py from this table and the other stages.
+OVERRIDES are the run's overrides of configs/tiny_cpu.yaml. The table is printed, and FILE gets a copy
+(the RESULTS.md section `gpu` is assembled by benchmarks/gpu_check.py from it and the other stages).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -30,12 +38,15 @@ FULL = dict(micro=8, seq=1536, iters=6, batch=64, prompt=128, new=128, reps=3)
 SMOKE = dict(micro=2, seq=32, iters=2, batch=4, prompt=8, new=8, reps=2)
 SIZE = dict(FULL)
 DEVICE = "cuda"
+GIB = 2 ** 30
+TINY = os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml")
+# trainer stage (StageTimer name) -> planner phase
+PHASES = {"gen": "rollout", "reward": "reward model", "old_log_prob": "actor log-prob", "ref": "ref log-prob",
+          "values": "critic log-prob", "update_critic": "critic update", "update_actor": "actor update"}
 
 
 def config_spec(config: str, smoke: bool = False):
     """GPTSpec of configs/<config>.yaml's architecture (smoke: same head layout, tiny widths)."""
-    import dataclasses
-
     from hybridrl.config_io import load_config
     from hybridrl.models.gpt import GPTSpec
 
@@ -155,7 +166,27 @@ def handoff(engine, model, spec, groups) -> dict:
             "peak_extra_gib": report.peak_cuda_extra_bytes / 2**30}
 
 
-def report(mfus: dict, roll: dict, hand: dict) -> str:
+def memory_vs_planner(tb_dir: str, overrides: list) -> list:
+    """[stage, phase, measured GiB or None, planned GiB] for each planner phase the run's stages map to."""
+    from gpu_check import median_after_first, read_scalars
+
+    from hybridrl.config_io import load_config
+    from hybridrl.planner import estimate
+    from hybridrl.tokenizer import load_tokenizer
+
+    cfg = load_config(TINY, overrides)
+    plan = estimate(cfg, 1, vocab_size=load_tokenizer(cfg.data.tokenizer).vocab_size)
+    planned = {p.name: (p.total - p.bytes("runtime/")) / GIB for p in plan.phases}
+    scalars = read_scalars(tb_dir)
+    rows = []
+    for stage, phase in PHASES.items():
+        series = scalars.get(f"perf/max_memory_allocated_gb/{stage}")
+        if phase in planned and (series or f"timing_s/{stage}" in scalars):
+            rows.append([stage, phase, median_after_first(series) if series else None, planned[phase]])
+    return rows
+
+
+def report(mfus: dict, roll: dict, hand: dict, memory: list) -> str:
     rows = []
     for name, m in mfus.items():
         rows.append([f"actor fwd+bwd, {name} ({m['layer_spec']} layer spec)", f"{m['tokens']} tokens ({m['size']})",
@@ -170,6 +201,12 @@ def report(mfus: dict, roll: dict, hand: dict) -> str:
         rows.append([f"handoff {kind}, 0.5B -> native engine", f"{gb:.2f} GB, 64 MiB buckets",
                      f"{hand[kind] * 1000:.0f} ms ({gb / hand[kind]:.1f} GB/s)",
                      f"memcpy {hand['memcpy'] * 1000:.1f} ms: **{100 * hand['memcpy'] / hand[kind]:.1f}% of memcpy**"])
+    for stage, phase, measured, planned in memory:
+        result = (f"**measured / planned {measured / planned:.2f}x**" if measured is not None
+                  else "not measured (no CUDA memory metrics in the run)")
+        shown = "-" if measured is None else f"{measured:.2f} GiB"
+        rows.append([f"peak memory, stage `{stage}` vs planner phase \"{phase}\"", f"planned {planned:.2f} GiB",
+                     shown, result])
     return bl.table(["what", "size", "time / rate", "result"], rows)
 
 
@@ -177,6 +214,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fragment", help="also write the table to this file")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, on CPU without CUDA")
+    p.add_argument("--memory-from", metavar="TB_DIR", help="TensorBoard folder of a training run: its per-stage "
+                   "peak memory against the planner for the OVERRIDES (of configs/tiny_cpu.yaml) after --")
+    p.add_argument("overrides", nargs="*", help="the run's config overrides (with --memory-from)")
     args = p.parse_args()
     import torch
 
@@ -197,11 +237,14 @@ def main() -> None:
         model, spec = build(config_spec(name, args.smoke))
         mfus[name] = actor_mfu(model, spec)
     weights = {n: t.detach().clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
-    engine = NativeEngine(spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=SIZE["batch"])
+    engine_spec = dataclasses.replace(spec, layer_spec="local")  # the engine's own build, as in roles.build_rollout
+    engine = NativeEngine(engine_spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=SIZE["batch"])
     engine.load_weights(weights.items())
     roll = rollout(engine, hf_peer(weights, spec), spec)
     del weights
-    text = report(mfus, roll, handoff(engine, model, spec, groups))
+    hand = handoff(engine, model, spec, groups)
+    memory = memory_vs_planner(args.memory_from, args.overrides) if args.memory_from else []
+    text = report(mfus, roll, hand, memory)
     print(text)
     if args.fragment:
         with open(args.fragment, "w") as f:

@@ -14,9 +14,9 @@
 #   tests   pytest -m cuda: tests/test_cuda.py (trainer step, fp16 scaler, native engine, TE spec)
 #   grpo    30 GRPO steps of a random Qwen2-0.5B-shaped model in bf16: megatron's optimizer with the
 #           distributed optimizer, the actor's params, grads and optimizer offloaded around rollout,
-#           KL loss with an offloaded reference, the native engine; must finish with finite losses;
-#           its per-stage peak memory against the planner
-#   bench   benchmarks/bench_gpu.py: actor MFU (0.5B, 1.5B), native rollout vs generate @64, handoff vs memcpy
+#           KL loss with an offloaded reference, the native engine; must finish with finite losses
+#   bench   benchmarks/bench_gpu.py: actor MFU (0.5B, 1.5B), native rollout vs generate @64, handoff vs
+#           memcpy, and the GRPO run's per-stage peak memory against the planner
 #   resume  distributed optimizer: 4 steps straight vs 2 + resume + 2; the weights must agree
 # Results under $OUT (or outputs/gpu_check): summary.md (stage, status, seconds), gpu_check.log
 # (every stage's output), gpu_section.md (RESULTS.md's `gpu` section; paste it here with
@@ -141,7 +141,9 @@ export -f env_report paths train tests_check resume_check grpo_check
 stage env 20 env_report
 stage tests 75 tests_check
 stage grpo 200 grpo_check
-stage bench 110 "$PY" benchmarks/bench_gpu.py $BENCH_ARGS --fragment "$OUTDIR/bench.md"
+# shellcheck disable=SC2086
+stage bench 110 "$PY" benchmarks/bench_gpu.py $BENCH_ARGS --fragment "$OUTDIR/bench.md" \
+  --memory-from "$WORK/grpo/tb" -- $GRPO
 stage resume 75 resume_check
 "$PY" benchmarks/gpu_check.py section --dir "$OUTDIR" --out "$OUTDIR/gpu_section.md" >> "$LOG" 2>&1
 echo "total: ${SECONDS}s (budget ${BUDGET_S}s, mode $MODE)" >> "$SUMMARY"

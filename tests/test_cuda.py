@@ -114,6 +114,8 @@ def test_fp16_learns_and_overflow_steps_are_skipped():
 # ---- native engine on the GPU -----------------------------------------------------------------------
 
 def _native_vs_transformers(folder):
+    import dataclasses
+
     import transformers
 
     from hybridrl.models.hf_checkpoint import SafetensorsReader, model_from_hf
@@ -123,7 +125,7 @@ def _native_vs_transformers(folder):
 
     groups = init_model_parallel(1, 1)
     _, spec = model_from_hf(folder, groups)
-    engine = NativeEngine(spec, 1)
+    engine = NativeEngine(dataclasses.replace(spec, layer_spec="local"), 1)  # as roles.build_rollout builds it
     reader = SafetensorsReader(folder)
     engine.load_weights((n, reader.read(n).cuda()) for n in reader.names())
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9]]
