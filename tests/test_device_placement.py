@@ -7,10 +7,11 @@ they mean the GPU on a CUDA machine. Then `PPOTrainer.sync_rollout_weights`, `ge
 tensor (one or more dimensions) into device work, or any torch.distributed tensor collective on a
 host tensor, fails the test.
 
-Covered, for the layouts below (DP=2 with a critic, reference and offloaded actor; TP=2): prompt
-and rollout batches placed where they are assembled, the rollout broadcast over the model replica,
-rewards, old/ref log-probs, values, KL, advantages with their DP gathers, mini/micro-batch splits,
-losses and DP loss normalisation, megatron's schedule, DDP gradient reduction and the optimizer, the
+Covered, for the layouts below (DP=2 with a critic, reference, reward model and offloaded actor;
+TP=2): prompt and rollout batches placed where they are assembled, the rollout broadcast over the
+model replica, rule rewards and reward-model scores (offloaded, added to the rule's), old/ref
+log-probs, values, KL, advantages with their DP gathers, mini/micro-batch splits, losses and DP
+loss normalisation, megatron's schedule, DDP gradient reduction and the optimizer, the
 weight stream into the rollout engine (up to `load_weights`), offload/onload, and the metrics.
 Not covered: the inside of the rollout engine (`generate`, `load_weights`, `sleep`, `wake_up` run as
 host code here: the native engine keeps its own device), kernels that C++ runs internally
@@ -65,7 +66,7 @@ def _build(overrides):
         ensure_synthetic_data(cfg.data)
     dist.barrier()
     roles = build_roles(cfg, groups, tokenizer, total_steps=2)
-    for worker in (roles.actor, roles.critic, roles.ref):
+    for worker in (roles.actor, roles.critic, roles.ref, roles.reward_model):
         if worker is not None:
             on_device(worker.engine.module)
     for name in ("generate", "load_weights", "sleep", "wake_up"):
@@ -117,11 +118,19 @@ def _check(results):
 
 
 @pytest.mark.distributed
-def test_one_step_dp2_with_critic_reference_and_offload(tmp_path):
-    overrides = SMALL + _paths(tmp_path) + ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true",
-                         "actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true",
-                         "ref.offload_params=true", "rollout.free_cache_engine=true"]
-    _check(run_distributed(_step_on_virtual_device, 2, overrides, timeout=300))
+def test_one_step_dp2_with_critic_reference_reward_model_and_offload(tmp_path):
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+
+    rm = random_hf_model_folder(str(tmp_path / "rm"), "qwen2", seed=5, head="score", num_hidden_layers=1)
+    overrides = SMALL + _paths(tmp_path) + [
+        "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true",
+        "actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true",
+        "ref.offload_params=true", "rollout.free_cache_engine=true", "reward_model.enable=true",
+        f"reward_model.path={rm}", "reward_model.offload_params=true", "reward_model.combine=add",
+        "reward_model.micro_batch_size_per_gpu=2"]
+    results = run_distributed(_step_on_virtual_device, 2, overrides, timeout=300)
+    _check(results)
+    assert all("critic/rm_score/mean" in r["metrics"] for r in results)  # the reward model did score
 
 
 @pytest.mark.distributed
