@@ -15,8 +15,9 @@ Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/q
    passes its 30-step GRPO run) against the planner's phase for the same config (`planner.estimate`
    at world size 1, less the planner's fixed runtime overhead, which torch's allocator does not see).
    Target: every phase within 10%. Measured on a real run because the planner's phases are those of
-   a training step (optimizer state, offload, the rollout engine), which a bare forward lacks; the
-   trainer's `gen` stage also spans the offload before the rollout and the onload after it.
+   a training step (optimizer state, offload, the rollout engine), which a bare forward lacks. The
+   rollout phase is the trainer's `generate_sequences` stage (wake_up, generate, sleep: the engine's
+   window inside `gen`, which also spans the offload before it and the onload after it).
 
     python benchmarks/bench_gpu.py [--fragment FILE] [--memory-from TB_DIR -- OVERRIDES...]   # needs CUDA
     python benchmarks/bench_gpu.py --smoke [...]   # tiny sizes on CPU: checks the script end to end
@@ -41,8 +42,9 @@ DEVICE = "cuda"
 GIB = 2 ** 30
 TINY = os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml")
 # trainer stage (StageTimer name) -> planner phase
-PHASES = {"gen": "rollout", "reward": "reward model", "old_log_prob": "actor log-prob", "ref": "ref log-prob",
-          "values": "critic log-prob", "update_critic": "critic update", "update_actor": "actor update"}
+PHASES = {"generate_sequences": "rollout", "reward": "reward model", "old_log_prob": "actor log-prob",
+          "ref": "ref log-prob", "values": "critic log-prob", "update_critic": "critic update",
+          "update_actor": "actor update"}
 
 
 def config_spec(config: str, smoke: bool = False):

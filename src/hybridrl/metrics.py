@@ -19,7 +19,8 @@ class StageTimer:
 
     On CUDA it also keeps each stage's peak allocated memory (`perf/max_memory_allocated_gb/gen`),
     the measured side of the planner's phases, and the step's peaks under verl's names
-    (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`).
+    (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`). Stages may nest (`gen` holds
+    `generate_sequences`, the engine's own window): an inner stage's peak counts for the outer ones too.
     """
 
     def __init__(self):
@@ -27,19 +28,29 @@ class StageTimer:
         self.peak_bytes: Dict[str, int] = defaultdict(int)
         self.reserved_bytes = 0
         self.cuda = torch.cuda.is_available()
+        self._open: list = []
+
+    def _record_peak(self, names) -> None:
+        """Fold the allocator's peak since its last reset into `names` (then reset it)."""
+        peak = torch.cuda.max_memory_allocated()
+        for name in names:
+            self.peak_bytes[name] = max(self.peak_bytes[name], peak)
+        self.reserved_bytes = max(self.reserved_bytes, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            self._record_peak(self._open)
+        self._open.append(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] += time.perf_counter() - start
             if self.cuda:
-                self.peak_bytes[name] = max(self.peak_bytes[name], torch.cuda.max_memory_allocated())
-                self.reserved_bytes = max(self.reserved_bytes, torch.cuda.max_memory_reserved())
+                self._record_peak(self._open)
+            self._open.pop()
 
     def metrics(self) -> Dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}

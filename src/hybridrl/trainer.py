@@ -114,10 +114,11 @@ class PPOTrainer:
             offloader.offload()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM's sleep-mode pool allocates outside torch's cache
-        self.rollout.wake_up()
-        out = self.rollout.generate(ids, sampling, seeds)
-        if self.cfg.rollout.free_cache_engine:
-            self.rollout.sleep()
+        with self.timer("generate_sequences"):  # the engine's window, between offload and onload
+            self.rollout.wake_up()
+            out = self.rollout.generate(ids, sampling, seeds)
+            if self.cfg.rollout.free_cache_engine:
+                self.rollout.sleep()
         for offloader in self.offloaders:
             offloader.onload()
         mine = None
