@@ -170,7 +170,7 @@ def handoff(engine, model, spec, groups) -> dict:
 
 def memory_vs_planner(tb_dir: str, overrides: list) -> list:
     """[stage, phase, measured GiB or None, planned GiB] for each planner phase the run's stages map to."""
-    from gpu_check import median_after_first, read_scalars
+    from gpu_check import median_after_first
 
     from hybridrl.config_io import load_config
     from hybridrl.planner import estimate
@@ -179,7 +179,7 @@ def memory_vs_planner(tb_dir: str, overrides: list) -> list:
     cfg = load_config(TINY, overrides)
     plan = estimate(cfg, 1, vocab_size=load_tokenizer(cfg.data.tokenizer).vocab_size)
     planned = {p.name: (p.total - p.bytes("runtime/")) / GIB for p in plan.phases}
-    scalars = read_scalars(tb_dir)
+    scalars = bl.read_scalars(tb_dir)
     rows = []
     for stage, phase in PHASES.items():
         series = scalars.get(f"perf/max_memory_allocated_gb/{stage}")

@@ -44,21 +44,6 @@ def _env() -> dict:
                 PYTHONPATH=os.path.join(bl.ROOT, "benchmarks"))
 
 
-def read_scalars(folder: str) -> dict:
-    """{tag: {step: value}} from the TensorBoard event files under folder."""
-    import glob
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
-
-
 def trl_versions() -> str:
     code = "import trl, accelerate, datasets; print(trl.__version__, accelerate.__version__, datasets.__version__)"
     trl, acc, ds = subprocess.run([TRL_PY, "-c", code], capture_output=True, text=True).stdout.split()
@@ -71,7 +56,7 @@ def run_hybridrl(run_dir: str, steps: int) -> dict:
     proc = subprocess.run(cmd + hybridrl_overrides(run_dir, steps), cwd=bl.ROOT, env=_env(), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"hybridrl side failed:\n{proc.stderr[-3000:]}")
-    s = read_scalars(os.path.join(run_dir, "tb"))
+    s = bl.read_scalars(os.path.join(run_dir, "tb"))
     keep = range(2, steps + 1)
     return {"step_s": [s["timing_s/step"][i] for i in keep], "completion_len": [s["response_length/mean"][i] for i in keep],
             "stages": {k: [s[f"timing_s/{k}"][i] for i in keep] for k in STAGES if f"timing_s/{k}" in s}}

@@ -78,6 +78,21 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def read_scalars(folder: str) -> dict:
+    """{tag: {step: value}} from every TensorBoard event file under folder."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
 def profile_top(fn, n: int = 12, sort: str = "tottime") -> str:
     """cProfile one call of fn(); the top-n rows by `sort` as text (the evidence for a missed target)."""
     import cProfile

@@ -28,26 +28,13 @@ import benchlib as bl
 GIB = 2 ** 30
 
 
-def read_scalars(tb_dir: str) -> dict:
-    """{tag: {step: value}} from every TensorBoard event file under tb_dir."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
-
-
 def median_after_first(series: dict) -> float:
     values = [v for step, v in sorted(series.items()) if step >= 2] or list(series.values())
     return statistics.median(values)
 
 
 def grpo_report(args) -> int:
-    scalars = read_scalars(args.tb)
+    scalars = bl.read_scalars(args.tb)
     losses = scalars.get("actor/pg_loss", {})
     done = sorted(step for step, v in losses.items() if math.isfinite(v))
     ok = done == list(range(1, args.steps + 1))
