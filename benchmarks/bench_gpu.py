@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
+import traceback
 
 import benchlib as bl
 
@@ -188,7 +190,8 @@ def memory_vs_planner(tb_dir: str, overrides: list) -> list:
     return rows
 
 
-def report(mfus: dict, roll: dict, hand: dict, memory: list) -> str:
+def report(mfus: dict, roll: dict, hand: dict, memory: list, failed: dict) -> str:
+    """The table of whatever has been measured so far, a row per failed part."""
     rows = []
     for name, m in mfus.items():
         rows.append([f"actor fwd+bwd, {name} ({m['layer_spec']} layer spec)", f"{m['tokens']} tokens ({m['size']})",
@@ -198,8 +201,8 @@ def report(mfus: dict, roll: dict, hand: dict, memory: list) -> str:
         rows.append([f"rollout {mode}, 0.5B", f"batch {SIZE['batch']}, {SIZE['prompt']}+{SIZE['new']} tokens",
                      f"native {r['native']:,.0f} tok/s",
                      f"HF {r['hf']:,.0f} tok/s: **native / HF {r['native'] / r['hf']:.2f}x**"])
-    gb = hand["bytes"] / 1e9
-    for kind in ("verified", "unverified"):
+    for kind in ("verified", "unverified") if hand else ():
+        gb = hand["bytes"] / 1e9
         rows.append([f"handoff {kind}, 0.5B -> native engine", f"{gb:.2f} GB, 64 MiB buckets",
                      f"{hand[kind] * 1000:.0f} ms ({gb / hand[kind]:.1f} GB/s)",
                      f"memcpy {hand['memcpy'] * 1000:.1f} ms: **{100 * hand['memcpy'] / hand[kind]:.1f}% of memcpy**"])
@@ -209,12 +212,50 @@ def report(mfus: dict, roll: dict, hand: dict, memory: list) -> str:
         shown = "-" if measured is None else f"{measured:.2f} GiB"
         rows.append([f"peak memory, stage `{stage}` vs planner phase \"{phase}\"", f"planned {planned:.2f} GiB",
                      shown, result])
+    rows += [[part, "-", "-", f"**FAILED**: {error}"] for part, error in failed.items()]
     return bl.table(["what", "size", "time / rate", "result"], rows)
 
 
-def main() -> None:
+def run_parts(args, emit) -> dict:
+    """Each measurement in turn; one that fails is recorded (`emit` rewrites the table after each)."""
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream
+    from hybridrl.parallel.distributed import init_distributed, init_model_parallel
+    from hybridrl.rollout.native import NativeEngine
+
+    out = {"mfus": {}, "roll": {}, "hand": {}, "memory": [], "failed": {}}
+
+    def part(name, key, fn, sub=None):
+        try:
+            result = fn()
+            if sub is None:
+                out[key] = result
+            else:
+                out[key][sub] = result
+        except Exception as e:  # an unattended run: the other measurements still count
+            traceback.print_exc()
+            out["failed"][name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        emit(out)
+
+    if args.memory_from:
+        part("peak memory vs planner", "memory", lambda: memory_vs_planner(args.memory_from, args.overrides))
+    init_distributed()
+    groups = init_model_parallel(1, 1)
+    for name in ("qwen2_1.5b", "qwen2_0.5b"):  # the 0.5B model stays for the rollout and handoff parts
+        model, spec = build(config_spec(name, args.smoke))
+        part(f"actor MFU {name}", "mfus", lambda: actor_mfu(model, spec), sub=name)
+    weights = {n: t.detach().clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
+    engine_spec = dataclasses.replace(spec, layer_spec="local")  # the engine's own build, as in roles.build_rollout
+    engine = NativeEngine(engine_spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=SIZE["batch"])
+    engine.load_weights(weights.items())
+    part("rollout vs generate", "roll", lambda: rollout(engine, hf_peer(weights, spec), spec))
+    del weights
+    part("handoff vs memcpy", "hand", lambda: handoff(engine, model, spec, groups))
+    return out
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--fragment", help="also write the table to this file")
+    p.add_argument("--fragment", help="also write the table to this file (rewritten after each measurement)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, on CPU without CUDA")
     p.add_argument("--memory-from", metavar="TB_DIR", help="TensorBoard folder of a training run: its per-stage "
                    "peak memory against the planner for the OVERRIDES (of configs/tiny_cpu.yaml) after --")
@@ -228,30 +269,18 @@ def main() -> None:
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     elif not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device and a CUDA build of torch (--smoke runs tiny on CPU)")
-    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream
-    from hybridrl.parallel.distributed import init_distributed, init_model_parallel
-    from hybridrl.rollout.native import NativeEngine
 
-    init_distributed()
-    groups = init_model_parallel(1, 1)
-    mfus = {}
-    for name in ("qwen2_1.5b", "qwen2_0.5b"):  # the 0.5B model stays for the rollout and handoff parts
-        model, spec = build(config_spec(name, args.smoke))
-        mfus[name] = actor_mfu(model, spec)
-    weights = {n: t.detach().clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
-    engine_spec = dataclasses.replace(spec, layer_spec="local")  # the engine's own build, as in roles.build_rollout
-    engine = NativeEngine(engine_spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=SIZE["batch"])
-    engine.load_weights(weights.items())
-    roll = rollout(engine, hf_peer(weights, spec), spec)
-    del weights
-    hand = handoff(engine, model, spec, groups)
-    memory = memory_vs_planner(args.memory_from, args.overrides) if args.memory_from else []
-    text = report(mfus, roll, hand, memory)
-    print(text)
-    if args.fragment:
-        with open(args.fragment, "w") as f:
-            f.write(text + "\n")
+    def emit(parts):
+        if args.fragment:
+            with open(args.fragment, "w") as f:
+                f.write(report(**parts) + "\n")
+
+    parts = run_parts(args, emit)
+    print(report(**parts))
+    for name, error in parts["failed"].items():
+        print(f"FAILED {name}: {error}")
+    return 1 if parts["failed"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
