@@ -65,9 +65,9 @@ def _engine_run(folder):
     mine = slice(0, 2) if engine.groups.tp_rank == 0 else slice(2, None)  # TP peers, different prompts
     res["own_shard"] = engine.generate(PROMPTS[mine], sampled, seeds[mine])
     res["own_shard_rows"] = (mine.start * 3, None if mine.stop is None else mine.stop * 3)
-    engine.max_batch_size = 4
+    engine.max_num_seqs = 4
     res["micro"] = engine.generate(PROMPTS, sampled)
-    engine.max_batch_size = 256
+    engine.max_num_seqs = 256
     res["stop_token"] = stop = int(res["greedy_tp2"].responses[0, 3])
     res["stopped"] = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=NEW, stop_token_ids=(stop,)))
     engine.sleep()
@@ -185,12 +185,55 @@ def test_top_k_top_p_filter_by_hand():
 
 
 def test_sampling_follows_the_distribution():
-    from hybridrl.rollout.base import SamplingParams, row_generators, sample_next
+    from hybridrl.rollout.base import SamplingParams, row_keys, sample_next
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(4000, 4)
     sampling = SamplingParams(temperature=0.5)
-    tokens, logp = sample_next(logits, sampling, row_generators(list(range(4000)), "cpu"))
+    tokens, logp = sample_next(logits, sampling, row_keys(list(range(4000)), "cpu"), torch.zeros(4000, dtype=torch.long))
     expect = torch.softmax(logits[0] / 0.5, -1)
     freq = torch.bincount(tokens, minlength=4) / 4000.0
     torch.testing.assert_close(freq, expect, atol=0.03, rtol=0)
     torch.testing.assert_close(logp, expect.log()[tokens], atol=1e-6, rtol=0)
+
+
+def _pcg(x: int) -> int:
+    """The PCG output hash in plain Python integers (the reference for the tensor version)."""
+    state = (x * 747796405 + 2891336453) % 2 ** 32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) % 2 ** 32
+    return (word >> 22) ^ word
+
+
+def test_gumbel_noise_is_the_documented_hash():
+    import math
+
+    from hybridrl.rollout.base import gumbel_noise, row_keys, sample_seed
+
+    seeds = [sample_seed(7, 0), sample_seed(7, 1), sample_seed(123456789, 5)]
+    keys = row_keys(seeds, "cpu")
+    index = torch.tensor([0, 3, 41])
+    noise = gumbel_noise(keys, index, 50)
+    for b, seed in enumerate(seeds):
+        key = _pcg(_pcg(seed % 2 ** 32) ^ (seed >> 32))
+        assert keys[b].item() == key
+        step = _pcg(key ^ _pcg(int(index[b])))
+        for v in (0, 1, 49):
+            u = ((_pcg(step ^ _pcg(v + 0x9E3779B9)) >> 8) + 0.5) / 2 ** 24
+            assert noise[b, v].item() == pytest.approx(-math.log(-math.log(u)), abs=1e-5)
+    # a row's noise is its own: alone, in another batch order, or beside other rows
+    alone = gumbel_noise(keys[1:2], index[1:2], 50)
+    flipped = gumbel_noise(keys.flip(0), index.flip(0), 50)
+    assert torch.equal(alone[0], noise[1]) and torch.equal(flipped, noise.flip(0))
+
+
+def test_sampling_along_one_row_follows_the_distribution():
+    """One request's successive tokens (token index 0..3999): the right marginal, no step-to-step memory."""
+    from hybridrl.rollout.base import SamplingParams, row_keys, sample_next, sample_seed
+
+    steps = 4000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5]]).expand(steps, 4)
+    keys = row_keys([sample_seed(3, 0)], "cpu").expand(steps)
+    tokens, _ = sample_next(logits, SamplingParams(temperature=1.0), keys, torch.arange(steps))
+    expect = torch.softmax(logits[0], -1)
+    torch.testing.assert_close(torch.bincount(tokens, minlength=4) / steps, expect, atol=0.03, rtol=0)
+    pairs = torch.bincount(tokens[:-1] * 4 + tokens[1:], minlength=16).reshape(4, 4) / (steps - 1)
+    torch.testing.assert_close(pairs, expect[:, None] * expect[None, :], atol=0.02, rtol=0)

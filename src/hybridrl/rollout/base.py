@@ -2,9 +2,10 @@
 
 An engine turns prompts into responses plus the log-prob of each sampled token under
 log_softmax(logits / T) over the full vocabulary (greedy, T = 0: log_softmax(logits)), which is what
-the actor recomputes. Sampling is layout-independent: sample j of prompt i draws all its randomness
-from its own generator seeded from (prompt_seeds[i], j), so batch composition, DP size and TP size
-never change what is sampled. This module holds no model code and no torch.distributed.
+the actor recomputes. Sampling is layout-independent: the noise that picks token t of sample j of
+prompt i is a counter-based hash of (its seed from (prompt_seeds[i], j), t, token id) alone, so batch
+composition, slot order, DP size and TP size never change what is sampled, and one tensor op draws
+the noise of a whole batch. This module holds no model code and no torch.distributed.
 """
 from __future__ import annotations
 
@@ -89,8 +90,34 @@ def expand_requests(prompt_token_ids: list[list[int]], sampling: SamplingParams,
             for j in range(sampling.n)]
 
 
-def row_generators(seeds: list[int], device) -> list[torch.Generator]:
-    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+_M32 = 0xFFFFFFFF
+
+
+def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
+    """PCG output hash of 32-bit words held in int64 (Jarzynski & Olano 2020): every product stays
+    below 2^63, so CPU and CUDA agree bit for bit and no signed overflow occurs."""
+    state = (x * 747796405 + 2891336453) & _M32
+    word = ((state >> ((state >> 28) + 4)) ^ state) * 277803737 & _M32
+    return (word >> 22) ^ word
+
+
+def row_keys(seeds: list[int], device) -> torch.Tensor:
+    """[B] int64 32-bit noise key per row from its 63-bit sample seed (both words hashed)."""
+    s = torch.tensor(seeds, dtype=torch.int64, device=device)
+    return _pcg_hash(_pcg_hash(s & _M32) ^ (s >> 32))
+
+
+def gumbel_noise(keys: torch.Tensor, token_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] Gumbel(0, 1); entry (b, v) depends on (keys[b], token_index[b], v) only.
+
+    Rows are keyed by their own token counter, never by the batch step, so a request draws the same
+    noise whatever slot it sits in and whenever it was admitted.
+    """
+    step_key = _pcg_hash(keys ^ _pcg_hash(token_index))
+    token_key = _pcg_hash(torch.arange(vocab, device=keys.device, dtype=torch.int64) + 0x9E3779B9)
+    bits = _pcg_hash(step_key[:, None] ^ token_key[None, :]) >> 8  # 24 uniform bits: exact in fp32
+    u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
 
 
 # ---- filtering and sampling -----------------------------------------------------------------------
@@ -109,14 +136,13 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.
     return scaled
 
 
-def gumbel_noise(generators: list[torch.Generator], vocab: int, device) -> torch.Tensor:
-    """[B, V] Gumbel(0, 1) noise, row b drawn from generators[b] only (one draw of V per step)."""
-    u = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
-    return -torch.log(-torch.log(u))
+def sample_next(logits: torch.Tensor, sampling: SamplingParams, keys: torch.Tensor, token_index: torch.Tensor):
+    """(tokens [B], log_probs [B]) from logits [B, V] over the true vocabulary.
 
-
-def sample_next(logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]):
-    """(tokens [B], log_probs [B]) from fp32 logits [B, V] over the true vocabulary."""
+    keys [B] (`row_keys`) and token_index [B] (tokens each row has generated so far) drive the noise;
+    greedy ignores them. Log-probs are of the temperature-scaled distribution over the full vocabulary;
+    top-k / top-p only restrict which token is drawn (verl's convention).
+    """
     logits = logits.float()
     if sampling.temperature == 0:
         tokens = logits.argmax(dim=-1)
@@ -125,8 +151,8 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams, generators: list
         scaled = logits / sampling.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         filtered = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
-        # Gumbel-max: argmax(x + G) is an exact sample of softmax(x), driven by the row's generator
-        tokens = (filtered + gumbel_noise(generators, logits.shape[-1], logits.device)).argmax(dim=-1)
+        # Gumbel-max: argmax(x + G) is an exact sample of softmax(x)
+        tokens = (filtered + gumbel_noise(keys, token_index, logits.shape[-1])).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
