@@ -1,17 +1,16 @@
-"""The native rollout engine: batched KV-cache generation on a megatron-core GPTModel at rollout TP.
+"""The native rollout engine: KV-cache generation on a megatron-core GPTModel at rollout TP.
 
 The engine owns a second GPTModel (pipeline size 1) laid out for the rollout TP, built on its own
 process groups (`reshard.new_rollout_groups`) through megatron-core's `ProcessGroupCollection`, so
 its TP is independent of the training TP held by megatron's global parallel_state. Its weights are
 filled only through `load_weights` (HF names, full tensors; each rank keeps its rollout-TP slice).
 
-Generation: prompts are left-padded; one prefill, then one token per step through megatron's
-`StaticInferenceContext` (the KV cache). Padded keys are masked with an explicit mask (True =
-masked). RoPE in megatron's static inference path indexes rotary angles by cache slot, not by
-position id; attention scores depend only on the distance between query and key, so a left pad
-shift leaves the results unchanged (position ids are still derived from the mask and passed). Rows
-that stop leave the batch and the cache is compacted, so finished sequences cost nothing. Logits are
-gathered over rollout TP and every TP rank samples identically from the per-row generators.
+Generation has two paths over those same weights. The default, `decode="lean"`, is a per-layer
+decode over the model's own tensors (`lean_decode.py`) with continuous batching over
+`max_num_seqs` KV-cache slots (`continuous_batching.py`) and, on CUDA unless `enforce_eager`, CUDA
+graphs per batch-size bucket (`cuda_graphs.py`). `decode="megatron"` runs megatron's own forward
+with its `StaticInferenceContext` (`megatron_static.py`). Both gather logits over rollout TP and
+sample with the shared per-request seeded rule of `base.py`, so every TP rank draws the same tokens.
 """
 from __future__ import annotations
 
@@ -25,8 +24,10 @@ from hybridrl.models.gpt import GPTSpec, build_gpt
 from hybridrl.models.hf_config import check_parallel_layout
 from hybridrl.offload import TensorStash
 from hybridrl.reshard import RolloutGroups, join_requests, new_rollout_groups
-from hybridrl.rollout.base import (RolloutOutput, SamplingParams, expand_requests, pack_output,
-                                   row_generators, sample_next, weight_checksum)
+from hybridrl.rollout.continuous_batching import SlotBatch
+from hybridrl.rollout.lean_decode import LeanGPT
+from hybridrl.rollout.megatron_static import generate_static
+from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output, weight_checksum
 
 
 @contextlib.contextmanager
@@ -61,39 +62,26 @@ def build_rollout_model(spec: GPTSpec, groups: RolloutGroups, dtype: str = "floa
     return model
 
 
-def _attention_mask(valid: torch.Tensor, s_in: int) -> torch.Tensor:
-    """[B, 1, s_in, Sk] bool, True = masked: causal, padded keys, for the last s_in query slots."""
-    sk = valid.shape[1]
-    keys = torch.arange(sk, device=valid.device)
-    queries = keys[sk - s_in:]
-    masked = (keys[None, :] > queries[:, None])[None] | ~valid[:, None, :]
-    # a left-pad query would see no key at all; letting it see itself keeps its softmax finite
-    masked &= ~(keys[None, :] == queries[:, None])[None]
-    return masked[:, None]
-
-
-def _compact_cache(ctx, keep: torch.Tensor) -> None:
-    """Keep only the rows `keep` of every layer's KV cache ([S, B, groups, dim])."""
-    for layer, (k, v) in ctx.key_value_memory_dict.items():
-        ctx.key_value_memory_dict[layer] = (k.index_select(1, keep), v.index_select(1, keep))
-    ctx.max_batch_size = keep.numel()
-
-
 class NativeEngine:
     """RolloutEngine on megatron-core.
 
     `groups`: the engine's `RolloutGroups`; anything else (None, the training `ParallelGroups`) means
-    `new_rollout_groups(rollout_tp)` (collective on the world the first time).
+    `new_rollout_groups(rollout_tp)` (collective on the world the first time). `max_num_seqs`: KV-cache
+    slots of the lean path (the batch bound of the megatron path). `enforce_eager`: no CUDA graphs.
     """
 
     def __init__(self, spec: GPTSpec, rollout_tp: int = 1, groups: RolloutGroups | None = None,
                  dtype: str = "float32", pad_id: int = 0, eos_id: int | None = None,
-                 max_batch_size: int = 256, offload_weights_on_sleep: bool | None = None):
+                 max_num_seqs: int = 256, offload_weights_on_sleep: bool | None = None,
+                 enforce_eager: bool = False, decode: str = "lean"):
         check_parallel_layout(spec, rollout_tp, 1)
         self.groups = groups if isinstance(groups, RolloutGroups) else new_rollout_groups(rollout_tp)
         if self.groups.tp != rollout_tp:
             raise ValueError(f"groups have tp={self.groups.tp}, engine asked for rollout_tp={rollout_tp}")
-        self.spec, self.pad_id, self.eos_id, self.max_batch_size = spec, pad_id, eos_id, max_batch_size
+        if decode not in ("lean", "megatron"):
+            raise ValueError(f"decode must be 'lean' or 'megatron', got {decode!r}")
+        self.spec, self.pad_id, self.eos_id, self.max_num_seqs = spec, pad_id, eos_id, max_num_seqs
+        self.decode, self.enforce_eager = decode, enforce_eager
         self.model = build_rollout_model(spec, self.groups, dtype)
         self.device = next(self.model.parameters()).device
         names = [g for _, g in hc.stage_names(spec, 1, 0)]
@@ -171,56 +159,22 @@ class NativeEngine:
         prompts, seeds, (lo, hi) = join_requests(prompt_token_ids, prompt_seeds, self.groups)
         rows = expand_requests(prompts, sampling, seeds)
         stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        rows_out = slice(lo * sampling.n, hi * sampling.n)
+        if self.decode == "megatron":
+            return self._generate_megatron(rows, sampling, stops, rows_out)
+        graphs = "capture" if self.device.type == "cuda" and not self.enforce_eager else "off"
+        batch = SlotBatch(LeanGPT(self.model, self.spec, self.groups), rows, sampling, stops, self.pad_id,
+                          self.max_num_seqs, graphs)
+        responses, mask, log_probs = batch.run()
+        return RolloutOutput(responses[rows_out].cpu(), mask[rows_out].cpu(), log_probs[rows_out].cpu(),
+                             batch.stats)
+
+    def _generate_megatron(self, rows, sampling: SamplingParams, stops: set, rows_out: slice) -> RolloutOutput:
         tokens, log_probs, stats = [], [], {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0}
-        # micro-batches only bound memory: every row's samples depend on its own generator alone
-        for start in range(0, len(rows), self.max_batch_size):
-            t, lp = self._generate_batch(rows[start:start + self.max_batch_size], sampling, stops, stats)
+        # micro-batches only bound memory: every row's samples depend on its own seed alone
+        for start in range(0, len(rows), self.max_num_seqs):
+            t, lp = generate_static(self.model, self.spec.vocab_size, rows[start:start + self.max_num_seqs],
+                                    sampling, stops, self.pad_id, stats)
             tokens += t
             log_probs += lp
-        n = sampling.n
-        return pack_output(tokens[lo * n:hi * n], log_probs[lo * n:hi * n], sampling.max_new_tokens,
-                           self.pad_id, stats)
-
-    @torch.no_grad()
-    def _forward(self, input_ids, valid, ctx, stats) -> torch.Tensor:
-        """Next-token logits [B, V] (true vocab, fp32) after feeding input_ids through the cache."""
-        s_in = input_ids.shape[1]
-        position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -s_in:]
-        logits = self.model(input_ids, position_ids, _attention_mask(valid, s_in), inference_context=ctx,
-                            runtime_gather_output=True)
-        ctx.sequence_len_offset += s_in
-        stats["rollout/forward_tokens"] += input_ids.numel()
-        return logits[:, -1, :self.spec.vocab_size].float()
-
-    def _generate_batch(self, rows, sampling: SamplingParams, stops: set, stats: dict):
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        batch, plen, new = len(rows), max(len(p) for p, _ in rows), sampling.max_new_tokens
-        input_ids = torch.full((batch, plen), self.pad_id, dtype=torch.long, device=self.device)
-        valid = torch.zeros(batch, plen + new, dtype=torch.bool, device=self.device)
-        for b, (prompt, _) in enumerate(rows):
-            input_ids[b, plen - len(prompt):] = torch.tensor(prompt, device=self.device)
-            valid[b, plen - len(prompt):plen] = True
-        generators = row_generators([seed for _, seed in rows], self.device)
-        ctx = StaticInferenceContext(batch, plen + new)
-        active = list(range(batch))
-        out_tokens, out_logp = [[] for _ in rows], [[] for _ in rows]
-        logits = self._forward(input_ids, valid[:, :plen], ctx, stats)
-        for step in range(new):
-            tok, logp = sample_next(logits, sampling, [generators[r] for r in active])
-            keep = []
-            for i, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist())):
-                out_tokens[active[i]].append(t)
-                out_logp[active[i]].append(lp)
-                if t not in stops:
-                    keep.append(i)
-            stats["rollout/generated_tokens"] += len(active)
-            if step == new - 1 or not keep:
-                break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, device=self.device)
-                _compact_cache(ctx, idx)
-                valid, tok, active = valid[idx], tok[idx], [active[i] for i in keep]
-            valid[:, plen + step] = True
-            logits = self._forward(tok[:, None], valid[:, :plen + step + 1], ctx, stats)
-        return out_tokens, out_logp
+        return pack_output(tokens[rows_out], log_probs[rows_out], sampling.max_new_tokens, self.pad_id, stats)
