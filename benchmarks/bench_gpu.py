@@ -245,7 +245,7 @@ def run_parts(args, emit) -> dict:
         part(f"actor MFU {name}", "mfus", lambda: actor_mfu(model, spec), sub=name)
     weights = {n: t.detach().clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
     engine_spec = dataclasses.replace(spec, layer_spec="local")  # the engine's own build, as in roles.build_rollout
-    engine = NativeEngine(engine_spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_batch_size=SIZE["batch"])
+    engine = NativeEngine(engine_spec, 1, dtype="bfloat16", pad_id=0, eos_id=None, max_num_seqs=SIZE["batch"])
     engine.load_weights(weights.items())
     part("rollout vs generate", "roll", lambda: rollout(engine, hf_peer(weights, spec), spec))
     del weights

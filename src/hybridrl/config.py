@@ -246,8 +246,10 @@ class RolloutConfig:
     """Size of one weight bucket streamed into the engine."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
-    enforce_eager: bool = True
-    """vLLM: disable CUDA graphs."""
+    enforce_eager: bool = False
+    """No CUDA graphs of the decode step (native and vLLM); CPU always runs eagerly."""
+    max_num_seqs: int = 256
+    """Sequences decoded at once: the native engine's KV-cache slots (refilled as rows stop); vLLM's max_num_seqs."""
     free_cache_engine: bool = True
     """Sleep the engine (free KV cache/weights) after each rollout."""
     val_temperature: float = 0.0
@@ -263,6 +265,7 @@ class RolloutConfig:
         _check(self.temperature >= 0, "rollout.temperature must be >= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _check(self.update_weights_bucket_mb > 0, "rollout.update_weights_bucket_mb must be > 0")
+        _check(self.max_num_seqs >= 1, "rollout.max_num_seqs must be >= 1 (KV-cache slots of the engine)")
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")

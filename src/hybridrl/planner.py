@@ -175,11 +175,11 @@ def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
     if cfg.rollout.name == "vllm":
         items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
         items.append(("rollout/weight_sync_bucket", cfg.rollout.update_weights_bucket_mb * 2 ** 20))
-    else:  # the native engine holds its own copy (all layers, rollout TP, PP 1) and a megatron KV cache
+    else:  # the native engine holds its own copy (all layers, rollout TP, PP 1) and a KV cache of its slots
         rtp = lay.rollout_tp
         items.append(("rollout/engine_weights", mem.total_params(ctx.arch) * mem.BYTES_PER_ELEMENT[ctx.dtype] / rtp))
         kv = mem.kv_bytes_per_token(ctx.arch, rtp, 1, ctx.dtype) * ctx.seq
-        items.append(("rollout/kv_cache", kv * lay.samples_per_step_per_dp))
+        items.append(("rollout/kv_cache", kv * _native_slots(ctx)))
     return Phase("rollout", stage, tuple(items))
 
 
@@ -254,11 +254,16 @@ def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
     return phases
 
 
+def _native_slots(ctx: _Ctx) -> int:
+    """KV-cache slots of the native engine: rollout.max_num_seqs, or fewer when fewer rows come."""
+    return min(ctx.cfg.rollout.max_num_seqs, ctx.layout.samples_per_step_per_dp)
+
+
 def _kv_cache(ctx: _Ctx) -> KVCache:
     cfg, lay = ctx.cfg, ctx.layout
     if cfg.rollout.name == "native":
         per_seq = mem.kv_bytes_per_token(ctx.arch, lay.rollout_tp, 1, ctx.dtype) * ctx.seq
-        return KVCache(per_seq * lay.samples_per_step_per_dp, per_seq, lay.samples_per_step_per_dp)
+        return KVCache(per_seq * _native_slots(ctx), per_seq, _native_slots(ctx))
     rtp = lay.rollout_tp
     weights = mem.total_params(ctx.arch) * mem.BYTES_PER_ELEMENT[ctx.dtype] / rtp
     pool = cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes

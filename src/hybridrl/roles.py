@@ -92,7 +92,8 @@ def build_rollout(cfg: Config, spec: GPTSpec, groups: ParallelGroups, tokenizer)
     from hybridrl.rollout.native import NativeEngine
 
     return NativeEngine(spec, cfg.rollout.tensor_model_parallel_size, groups, cfg.model.params_dtype,
-                        tokenizer.pad_token_id, tokenizer.eos_token_id)
+                        tokenizer.pad_token_id, tokenizer.eos_token_id, max_num_seqs=cfg.rollout.max_num_seqs,
+                        enforce_eager=cfg.rollout.enforce_eager)
 
 
 @contextlib.contextmanager

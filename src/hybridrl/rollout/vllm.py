@@ -119,6 +119,7 @@ class VLLMEngine:
             model=model_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_model_parallel_size, dtype=dtype, seed=cfg.seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_model_len or spec.max_position_embeddings, skip_tokenizer_init=True,
             enable_sleep_mode=True, distributed_executor_backend="external_launcher", **llm_kwargs)
         # vLLM forms its TP groups from consecutive ranks, as new_rollout_groups does
