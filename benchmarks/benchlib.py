@@ -17,6 +17,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 WORK = os.path.join(ROOT, "outputs", "bench")
+# outputs/ is git-ignored: on a fresh clone nothing under it exists yet, and every script writes there
+os.makedirs(WORK, exist_ok=True)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # dist_helper.run_distributed
 
 # The bench model of issue 9: a tiny Qwen2 shape, fp32, tied embeddings like the small Qwen2s.
