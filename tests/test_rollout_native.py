@@ -215,7 +215,7 @@ def test_gumbel_noise_is_the_documented_hash():
     for b, seed in enumerate(seeds):
         key = _pcg(_pcg(seed % 2 ** 32) ^ (seed >> 32))
         assert keys[b].item() == key
-        step = _pcg(key ^ _pcg(int(index[b])))
+        step = _pcg((key + int(index[b]) * 0x9E3779B9) % 2 ** 32)
         for v in (0, 1, 49):
             u = ((_pcg(step ^ _pcg(v + 0x9E3779B9)) >> 8) + 0.5) / 2 ** 24
             assert noise[b, v].item() == pytest.approx(-math.log(-math.log(u)), abs=1e-5)

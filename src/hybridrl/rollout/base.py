@@ -9,6 +9,7 @@ the noise of a whole batch. This module holds no model code and no torch.distrib
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
@@ -90,7 +91,7 @@ def expand_requests(prompt_token_ids: list[list[int]], sampling: SamplingParams,
             for j in range(sampling.n)]
 
 
-_M32 = 0xFFFFFFFF
+_M32, _GOLDEN = 0xFFFFFFFF, 0x9E3779B9
 
 
 def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
@@ -107,15 +108,20 @@ def row_keys(seeds: list[int], device) -> torch.Tensor:
     return _pcg_hash(_pcg_hash(s & _M32) ^ (s >> 32))
 
 
+@functools.lru_cache(maxsize=8)
+def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] hashed token ids (made once per vocabulary and device; never changed)."""
+    return _pcg_hash(torch.arange(vocab, device=device, dtype=torch.int64) + _GOLDEN)
+
+
 def gumbel_noise(keys: torch.Tensor, token_index: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] Gumbel(0, 1); entry (b, v) depends on (keys[b], token_index[b], v) only.
 
     Rows are keyed by their own token counter, never by the batch step, so a request draws the same
     noise whatever slot it sits in and whenever it was admitted.
     """
-    step_key = _pcg_hash(keys ^ _pcg_hash(token_index))
-    token_key = _pcg_hash(torch.arange(vocab, device=keys.device, dtype=torch.int64) + 0x9E3779B9)
-    bits = _pcg_hash(step_key[:, None] ^ token_key[None, :]) >> 8  # 24 uniform bits: exact in fp32
+    step_key = _pcg_hash((keys + token_index * _GOLDEN) & _M32)  # a Weyl sequence per request, hashed
+    bits = _pcg_hash(step_key[:, None] ^ _token_keys(vocab, keys.device)[None, :]) >> 8  # 24 bits: exact in fp32
     u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -torch.log(-torch.log(u))
 

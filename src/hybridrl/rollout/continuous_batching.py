@@ -68,10 +68,10 @@ class SlotBatch:
         self.stats["rollout/generated_tokens"] = sum(self.lengths)
         return self.out_tok[:r], mask, self.out_logp[:r]
 
-    def _step(self, b: int, length: int | None = None):
+    def _step(self, b: int, length: int | None = None, masked: bool = True):
         """Decode slots [0, b) against keys [0, length) (all of them when None), sample, record."""
         length = self.cache.length if length is None else length
-        logits = self.lean.decode(self.cache, self.tok[:b], self.pos[:b], length)
+        logits = self.lean.decode(self.cache, self.tok[:b], self.pos[:b], length, masked)
         tok, logp = sample_next(logits, self.sampling, self.key[:b], self.count[:b])
         index = (self.req[:b], self.count[:b])
         self.out_tok.index_put_(index, tok)
@@ -81,8 +81,9 @@ class SlotBatch:
     def _decode(self) -> list[int]:
         """One decode step of the n active slots; the slots that stopped."""
         n = self.n
-        if self.graphs is None:
-            tok, _ = self._step(n, max(self.slot_pos[:n]) + 1)
+        if self.graphs is None:  # eager: only the live key range, unmasked when the rows are aligned
+            first, last = min(self.slot_pos[:n]), max(self.slot_pos[:n])
+            tok, _ = self._step(n, last + 1, masked=first != last)
         else:
             tok, _ = self.graphs(n)
         self.stats["rollout/forward_tokens"] += n

@@ -179,14 +179,20 @@ class LeanGPT:
         return self.logits(x[torch.arange(k, device=x.device), last])
 
     @torch.no_grad()
-    def decode(self, cache: DecodeCache, tokens: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
-        """One token per slot 0..n-1 (`tokens`, `pos` [n]); keys [0, length) attended; logits [n, V]."""
+    def decode(self, cache: DecodeCache, tokens: torch.Tensor, pos: torch.Tensor, length: int,
+               masked: bool = True) -> torch.Tensor:
+        """One token per slot 0..n-1 (`tokens`, `pos` [n]); keys [0, length) attended; logits [n, V].
+
+        masked=False: every row is at position length - 1, so no key needs masking.
+        """
         n = tokens.shape[0]
         rows = torch.arange(n, device=tokens.device)
         x = self.embed(tokens)
         cos, sin = cache.cos[pos][:, None, None], cache.sin[pos][:, None, None]
-        mask = torch.zeros(n, length, dtype=self.dtype, device=tokens.device)
-        mask = mask.masked_fill_(cache.positions[:length] > pos[:, None], float("-inf"))[:, None, None]
+        mask = None
+        if masked:
+            mask = torch.zeros(n, length, dtype=self.dtype, device=tokens.device)
+            mask = mask.masked_fill_(cache.positions[:length] > pos[:, None], float("-inf"))[:, None, None]
         for i, w in enumerate(self.layers):
             q, key, value = self._qkv(w, x, cos, sin)
             cache.keys[i][rows, :, pos] = key
