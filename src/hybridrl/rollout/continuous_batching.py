@@ -53,6 +53,7 @@ class SlotBatch:
 
     # ---- the loop ------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def run(self):
         """(responses [R, new] pad-filled, response_mask [R, new], log_probs [R, new]), request order."""
         holes: list[int] = []

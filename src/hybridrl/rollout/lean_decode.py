@@ -48,8 +48,10 @@ def _norm_weight(norm, fused_linear) -> torch.Tensor:
 
 def layer_weights(layer) -> LayerWeights:
     attn, mlp = layer.self_attention, layer.mlp
+    bias = getattr(attn.linear_qkv, "bias", None)
+    bias = bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor for "no bias"
     return LayerWeights(_norm_weight(layer.input_layernorm, attn.linear_qkv), attn.linear_qkv.weight.t(),
-                        attn.linear_qkv.bias, attn.linear_proj.weight.t(),
+                        bias, attn.linear_proj.weight.t(),
                         _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1), mlp.linear_fc1.weight.t(),
                         mlp.linear_fc2.weight.t())
 
