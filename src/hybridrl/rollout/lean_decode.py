@@ -124,11 +124,7 @@ class LeanGPT:
     # ---- pieces shared by prefill and decode -------------------------------------------------------
 
     def _norm(self, x, weight):
-        # RMSNorm spelled out as F.rms_norm (megatron's local-spec norm) computes it, in fp32, in five
-        # ops instead of its composite's ten on CPU; the casts are no-ops for fp32 weights
-        xf = x.float()
-        normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True).add_(self.eps))
-        return normed.mul_(weight).to(x.dtype)
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
