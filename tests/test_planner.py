@@ -194,6 +194,19 @@ def test_estimate_within_20_percent_of_measured_step():
     assert total_estimated == pytest.approx(total_measured, rel=0.2)
 
 
+def test_native_kv_cache_counts_the_engine_slots():
+    """K and V of every layer for each of min(rollout.max_num_seqs, samples per step) sequences, by hand."""
+    import dataclasses
+
+    cfg = _tiny_config()  # 4 samples per step on one GPU
+    per_seq = 2 * TINY["num_layers"] * TINY["num_key_value_heads"] * (256 // 8) * 4 * SEQ  # fp32, head_dim 32
+    for slots, expect in ((256, 4), (2, 2)):
+        c = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_num_seqs=slots))
+        p = estimate(c, 1)
+        assert p.phase("rollout").bytes("rollout/kv_cache") == per_seq * expect
+        assert (p.kv_cache.bytes, p.kv_cache.sequences_needed) == (per_seq * expect, expect)
+
+
 # --- refusals and the command line ----------------------------------------------------------------
 
 def _size_config(name, *overrides):
