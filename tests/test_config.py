@@ -86,6 +86,7 @@ def test_wrong_type_names_key_and_type(override, key, expected):
     ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator='ppo2'"),
     ("data.truncation=middle", "data.truncation='middle'"),
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs must be >= 1"),
 ])
 def test_section_rules(override, fragment):
     assert fragment in _error([override])
