@@ -3,7 +3,9 @@ agreement with megatron's own static-inference path at rollout TP 1 and 2, and t
 bucket padding run eagerly on CPU.
 
 One 2-process gloo launch computes everything; rows stop at many different lengths (a set of stop
-ids), so slots free up at different steps and waiting requests are prefilled into them.
+ids), so slots free up at different steps and waiting requests are prefilled into them. Sampled, the
+same requests run as one batch of 32 rows (8 prompts x 4 samples), through 4 refilled slots, one row
+at a time, each prompt alone, and in a permuted order.
 """
 import pytest
 import torch
@@ -14,7 +16,7 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [40, 41, 42, 43], [100, 
            [200, 201], [17, 18, 19, 20, 21]]
 NEW = 12
 STOPS = tuple(range(2, 251, 9))  # ~11% of the vocabulary: rows end anywhere from 1 to NEW tokens
-SAMPLED = dict(n=3, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=NEW, seed=11, stop_token_ids=STOPS)
+SAMPLED = dict(n=4, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=NEW, seed=11, stop_token_ids=STOPS)
 GREEDY = dict(temperature=0.0, max_new_tokens=NEW, stop_token_ids=STOPS)
 
 
