@@ -65,6 +65,7 @@ def _engine_run(folder):
     mine = slice(0, 2) if engine.groups.tp_rank == 0 else slice(2, None)  # TP peers, different prompts
     res["own_shard"] = engine.generate(PROMPTS[mine], sampled, seeds[mine])
     res["own_shard_rows"] = (mine.start * 3, None if mine.stop is None else mine.stop * 3)
+    res["empty"] = engine.generate([], sampled, [])
     engine.max_num_seqs = 4
     res["micro"] = engine.generate(PROMPTS, sampled)
     engine.max_num_seqs = 256
@@ -157,6 +158,14 @@ def test_stop_token_ends_row_and_is_kept(runs):
         assert out.responses[r, keep:].eq(0).all() and out.log_probs[r, keep:].eq(0).all()
         torch.testing.assert_close(out.log_probs[r, :keep], full.log_probs[r, :keep], atol=1e-5, rtol=0)
     assert (out.response_mask.sum(-1) < NEW).any(), "the stop token must end at least one row early"
+
+
+@pytest.mark.distributed
+def test_no_requests_give_empty_output(runs):
+    for res in runs:
+        out = res["empty"]
+        assert out.responses.shape == out.response_mask.shape == out.log_probs.shape == (0, NEW)
+        assert out.stats["rollout/generated_tokens"] == 0
 
 
 @pytest.mark.distributed

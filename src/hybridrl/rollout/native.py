@@ -160,6 +160,9 @@ class NativeEngine:
         rows = expand_requests(prompts, sampling, seeds)
         stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         rows_out = slice(lo * sampling.n, hi * sampling.n)
+        if not rows:  # no request on any rank of the group (e.g. an agent loop with every episode done)
+            return pack_output([], [], sampling.max_new_tokens, self.pad_id,
+                               {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0})
         if self.decode == "megatron":
             return self._generate_megatron(rows, sampling, stops, rows_out)
         graphs = "capture" if self.device.type == "cuda" and not self.enforce_eager else "off"
