@@ -297,9 +297,9 @@ AGG_MASK = t([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
 
 @pytest.mark.parametrize("mode,expect", [
     ("token-mean", 21.0 / 5),
-    ("seq-mean-token-sum", (6.0 + 15.0 + 0.0) / 3),
-    ("seq-mean-token-mean", (2.0 + 7.5 + 0.0) / 3),  # fully masked row counts as 0
-    ("seq-mean-token-sum-norm", 21.0 / 4),
+    ("seq-mean-token-sum", (6.0 + 15.0) / 2),  # a fully masked row is left out, as verl 0.9.1
+    ("seq-mean-token-mean", (6.0 / (3 + 1e-8) + 15.0 / (2 + 1e-8)) / 2),  # verl's epsilon, exact in fp64
+    ("seq-mean-token-sum-norm", (6.0 + 15.0) / 2 / 4),  # mean of row sums / the width
 ])
 def test_agg_loss_modes_with_fully_masked_row(mode, expect):
     x = AGG_LOSS.clone().requires_grad_(True)
@@ -308,6 +308,26 @@ def test_agg_loss_modes_with_fully_masked_row(mode, expect):
     out.backward()
     assert torch.isfinite(x.grad).all()
     assert torch.all(x.grad[AGG_MASK == 0] == 0)
+
+
+def test_agg_loss_norm_divides_by_the_given_constant():
+    close(agg_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", loss_scale_factor=16), (6.0 + 15.0) / 2 / 16)
+    # a wider (padded) copy of the same batch gives the same loss once the constant is given
+    wide_loss = torch.cat([AGG_LOSS, torch.ones(3, 5, dtype=D)], 1)
+    wide_mask = torch.cat([AGG_MASK, torch.zeros(3, 5)], 1)
+    close(agg_loss(wide_loss, wide_mask, "seq-mean-token-sum-norm", 16), (6.0 + 15.0) / 2 / 16)
+
+
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_agg_loss_denominator_shares_add_up(mode):
+    # micro-batch shares of the normaliser recombine the mini-batch's loss exactly
+    loss = torch.randn(7, 5, dtype=D, generator=torch.Generator().manual_seed(2))
+    mask = (torch.arange(5)[None] < torch.tensor([3, 0, 5, 1, 0, 2, 4])[:, None]).float()
+    parts = [(0, 2), (2, 3), (3, 7)]
+    total = sum(algos.agg_loss_denominator(mask[a:b], mode) for a, b in parts)
+    split = sum(algos.agg_loss_denominator(mask[a:b], mode) / total * agg_loss(loss[a:b], mask[a:b], mode, 5)
+                for a, b in parts)
+    close(split, agg_loss(loss, mask, mode, 5), tol=1e-7)
 
 
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)

@@ -43,10 +43,11 @@ def _roles_run(folder, tp, pp, agg_mode):
     model, spec = model_from_hf(folder, groups)
     module = _trainable(model, cfg)
     actor = ActorWorker(ModelEngine(module, groups), build_optimizer(module, cfg.actor.optim, groups, 10),
-                        cfg.actor, spec.vocab_size, temperature=0.7)
+                        cfg.actor, spec.vocab_size, temperature=0.7, max_response_length=R)
     cmodel, _, _ = critic_from_hf(folder, groups, seed=5)
     cmodule = _trainable(cmodel, cfg)
-    critic = CriticWorker(ModelEngine(cmodule, groups), build_optimizer(cmodule, cfg.critic.optim, groups, 10), cfg.critic)
+    critic = CriticWorker(ModelEngine(cmodule, groups), build_optimizer(cmodule, cfg.critic.optim, groups, 10), cfg.critic,
+                          max_response_length=R)
     full = _batch(spec.vocab_size)
     batch = {k: local_slice(v, groups) for k, v in full.items()}
     before, entropy = actor.compute_log_prob(batch, 4, with_entropy=True)

@@ -235,31 +235,60 @@ def token_rewards_from_scores(scores: Tensor, response_mask: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- losses
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """Reduce a [B, T] token loss to a scalar.
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, loss_scale_factor: Optional[float] = None) -> Tensor:
+    """Reduce a [B, T] token loss to a scalar, as verl 0.9.1's `core_algos.agg_loss` on one batch.
 
-    Fully masked rows contribute 0 but still count in the row mean of the
-    seq-mean-* modes, so the result is linear in rows (micro-batches add up) and
-    never NaN. token-mean over an all-masked batch is 0.
+    token-mean: sum over the loss tokens / their count. seq-mean-token-sum / -token-mean: the mean,
+    over the rows that have at least one loss token (fully masked rows are left out, as verl does),
+    of each row's token sum / token mean. seq-mean-token-sum-norm (Dr. GRPO): seq-mean-token-sum
+    divided by a constant, `loss_scale_factor`, else the width T of `mask` (verl's default; callers
+    that trim micro-batches pass the configured response length). Where verl divides 0 by 0 (no loss
+    token at all) this returns 0, never NaN.
     """
     m = _mask_like(mask, loss_mat)
     if mode == "token-mean":
         return masked_mean(loss_mat, m)
-    if mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, m, dim=-1).mean()
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    tokens = m.sum(dim=-1)
+    row_loss = masked_sum(loss_mat, m, dim=-1)
     if mode == "seq-mean-token-mean":
-        return masked_mean(loss_mat, m, dim=-1).mean()
+        row_loss = row_loss / (tokens + 1e-8)  # verl's epsilon (a no-op in fp32 for a row with tokens)
+    rows = (tokens > 0).to(loss_mat.dtype)
+    loss = (row_loss * rows).sum() / rows.sum().clamp(min=1)
     if mode == "seq-mean-token-sum-norm":
-        # Dr. GRPO: a constant normaliser (max length) instead of the token count.
-        return masked_sum(loss_mat, m) / m.shape[-1]
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+        loss = loss / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
+
+
+def agg_loss_denominator(mask: Tensor, mode: str) -> float:
+    """What agg_loss divides by before any constant: loss tokens (token-mean) or rows with a loss
+    token (seq-mean-*). A micro-batch's share of the mini-batch normaliser is its denominator over
+    the sum of all of them, which makes sum(share * agg_loss(micro-batch)) = agg_loss(mini-batch)."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    tokens = (mask != 0).sum(dim=-1)
+    return float(tokens.sum()) if mode == "token-mean" else float((tokens > 0).sum())
+
+
+def _rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Optional[Tensor],
+                        threshold: Optional[float]) -> Optional[Tensor]:
+    """Truncated importance weights min(pi_old / pi_rollout, threshold); None when disabled."""
+    if threshold is None:
+        return None
+    if rollout_log_prob is None:
+        raise ValueError("rollout_is_threshold is set but rollout_log_prob is None")
+    if threshold <= 0:
+        raise ValueError(f"rollout_is_threshold must be > 0, got {threshold}")
+    return torch.exp(old_log_prob - rollout_log_prob).clamp(max=threshold).detach()
 
 
 def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
                 agg_mode: str = "token-mean", rollout_log_prob: Optional[Tensor] = None,
-                rollout_is_threshold: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Dual-clip PPO surrogate (clip-higher capable) with optional truncated IS.
+                rollout_is_threshold: Optional[float] = None,
+                loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Dual-clip PPO surrogate (clip-higher capable) with optional truncated IS (verl's "vanilla").
 
     The IS weight min(pi_old / pi_rollout, threshold) corrects the mismatch between
     the inference engine and the trainer; it applies only when both the rollout
@@ -278,23 +307,52 @@ def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, resp
     clip2 = torch.minimum(losses3, clip1)
     negative = advantages < 0
     losses = torch.where(negative, clip2, clip1)
-    if rollout_is_threshold is not None:
-        if rollout_log_prob is None:
-            raise ValueError("rollout_is_threshold is set but rollout_log_prob is None")
-        if rollout_is_threshold <= 0:
-            raise ValueError(f"rollout_is_threshold must be > 0, got {rollout_is_threshold}")
-        weights = torch.exp(old_log_prob - rollout_log_prob).clamp(max=rollout_is_threshold)
-        losses = losses * weights.detach()
+    weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
+    if weights is not None:
+        losses = losses * weights
     stats = {
         "pg_clipfrac": masked_mean((losses2 > losses1).to(m.dtype), m),
         "ppo_kl": masked_mean(-log_ratio, m),
         "pg_clipfrac_lower": masked_mean(((clip1 > losses3) & negative).to(m.dtype), m),
     }
-    return agg_loss(losses, m, agg_mode), {k: v.detach() for k, v in stats.items()}
+    return agg_loss(losses, m, agg_mode, loss_scale_factor), {k: v.detach() for k, v in stats.items()}
+
+
+def gspo_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                     clip_low: float = 3e-4, clip_high: float = 4e-4, agg_mode: str = "seq-mean-token-mean",
+                     rollout_log_prob: Optional[Tensor] = None, rollout_is_threshold: Optional[float] = None,
+                     loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, verl's "gspo"): one clipped importance ratio per sequence.
+
+    s_i = exp(mean_t log(pi / pi_old)) over the row's loss tokens. Every token carries the value
+    s_i, with the gradient of its own log-prob scaled by s_i (s_i * pi_t / sg(pi_t)); the PPO clip
+    applies to s_i, so its ranges are small (verl's GSPO recipe: 3e-4 / 4e-4). No dual clip.
+    """
+    m = _mask_like(response_mask, log_prob)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_sum(log_ratio, m, dim=-1) / m.sum(dim=-1).clamp(min=1)
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    losses1 = -advantages * ratio
+    losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(losses1, losses2)
+    weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
+    if weights is not None:
+        losses = losses * weights
+    stats = {
+        "pg_clipfrac": masked_mean((losses2 > losses1).to(m.dtype), m),
+        "ppo_kl": masked_mean(-log_ratio, m),
+        "pg_clipfrac_lower": torch.zeros((), dtype=m.dtype, device=m.device),
+    }
+    return agg_loss(losses, m, agg_mode, loss_scale_factor), {k: v.detach() for k, v in stats.items()}
+
+
+POLICY_LOSS_MODES = ("vanilla", "gspo")
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
-               clip: float = 0.5, agg_mode: str = "token-mean") -> Tuple[Tensor, Tensor]:
+               clip: float = 0.5, agg_mode: str = "token-mean",
+               loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """Clipped value loss 0.5*max((v-R)^2, (v_clip-R)^2); returns (loss, clipfrac)."""
     m = _mask_like(response_mask, values)
     # Inside the clip range v_clipped must be v itself: old + (v - old) is not bit-equal to v, and
@@ -303,7 +361,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     v_clipped = torch.where(delta.abs() > clip, old_values + torch.clamp(delta, -clip, clip), values)
     losses1 = (values - returns) ** 2
     losses2 = (v_clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), m, agg_mode)
+    loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), m, agg_mode, loss_scale_factor)
     return loss, masked_mean((losses2 > losses1).to(m.dtype), m).detach()
 
 
@@ -313,9 +371,10 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor, agg_mode: str = "token-mean") -> Tensor:
+def entropy_loss(entropy: Tensor, mask: Tensor, agg_mode: str = "token-mean",
+                 loss_scale_factor: Optional[float] = None) -> Tensor:
     """Aggregated token entropy (the caller subtracts coeff * this from the loss)."""
-    return agg_loss(entropy, mask, agg_mode)
+    return agg_loss(entropy, mask, agg_mode, loss_scale_factor)
 
 
 # ----------------------------------------------------------------------------- KL

@@ -125,7 +125,8 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     actor_module = _trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
                                 cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)
-    actor = ActorWorker(ModelEngine(actor_module, groups), actor_opt, cfg.actor, spec.vocab_size, temperature)
+    actor = ActorWorker(ModelEngine(actor_module, groups), actor_opt, cfg.actor, spec.vocab_size, temperature,
+                        cfg.data.max_response_length)
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model, _ = model_from_hf(folder, groups, dtype)
@@ -139,7 +140,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
         critic_module = _trainable(critic_model, cfg)
         critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
                                      cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
-        critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic)
+        critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic, cfg.data.max_response_length)
     owners = [(w.engine.module, w.optimizer.optimizer) for w in (actor, critic) if w is not None]
     owners += [(ref.engine.module, None)] if ref is not None else []
     with training_state_offloaded(owners) if cfg.rollout.name == "vllm" else contextlib.nullcontext():

@@ -1,8 +1,9 @@
 """The actor (policy) and the frozen reference: log-probs of responses and the PPO policy update.
 
-Losses are normalised over the whole mini-batch across DP ranks (token count or row count, by
+Losses are normalised over the whole mini-batch across DP ranks (`update.global_weights`, by
 `loss_agg_mode`), so the gradient and the reported losses do not depend on how the mini-batch is
-split into micro-batches or DP shards.
+split into micro-batches or DP shards. The policy loss is `actor.policy_loss.loss_mode`: vanilla
+(dual-clip PPO) or gspo (sequence-level ratio).
 """
 from __future__ import annotations
 
@@ -60,25 +61,35 @@ class LogProbWorker:
 
 
 class ActorWorker(LogProbWorker):
-    def __init__(self, engine: ModelEngine, optimizer, cfg: ActorConfig, vocab_size: int, temperature: float):
+    def __init__(self, engine: ModelEngine, optimizer, cfg: ActorConfig, vocab_size: int, temperature: float,
+                 max_response_length: int):
         super().__init__(engine, vocab_size, temperature)
         self.optimizer, self.cfg = optimizer, cfg
+        # seq-mean-token-sum-norm divides by a constant, never by a (trimmed) micro-batch's width
+        self.loss_scale_factor = cfg.loss_scale_factor or max_response_length
+
+    def _policy_loss(self, mb, log_probs):
+        cfg, mask = self.cfg, mb["response_mask"]
+        common = dict(agg_mode=cfg.loss_agg_mode, rollout_log_prob=mb.get("rollout_log_probs"),
+                      rollout_is_threshold=cfg.rollout_is_threshold, loss_scale_factor=self.loss_scale_factor)
+        if cfg.policy_loss.loss_mode == "gspo":
+            return algos.gspo_policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask,
+                                          cfg.clip_ratio_low, cfg.clip_ratio_high, **common)
+        return algos.policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask, cfg.clip_ratio_low,
+                                 cfg.clip_ratio_high, cfg.clip_ratio_c, **common)
 
     def _loss(self, output, mb, weight: float, n_micro: int):
         cfg = self.cfg
         mask = mb["response_mask"]
         log_probs, entropy = self._token_stats(output, mb, with_entropy=True)
-        pg_loss, stats = algos.policy_loss(
-            mb["old_log_probs"], log_probs, mb["advantages"], mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-            cfg.clip_ratio_c, cfg.loss_agg_mode, rollout_log_prob=mb.get("rollout_log_probs"),
-            rollout_is_threshold=cfg.rollout_is_threshold)
-        ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode)
+        pg_loss, stats = self._policy_loss(mb, log_probs)
+        ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, self.loss_scale_factor)
         loss = pg_loss - cfg.entropy_coeff * ent
         metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item(),
                    **{f"actor/{k}": float(v) for k, v in stats.items()}}
         if cfg.use_kl_loss:
             kl = algos.agg_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_loss_type), mask,
-                                cfg.loss_agg_mode)
+                                cfg.loss_agg_mode, self.loss_scale_factor)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
         metrics = {k: v * weight for k, v in metrics.items()}  # summed over micro-batches and DP later

@@ -18,8 +18,10 @@ def response_values(values: torch.Tensor, response_len: int) -> torch.Tensor:
 
 
 class CriticWorker:
-    def __init__(self, engine: ModelEngine, optimizer, cfg: CriticConfig):
+    def __init__(self, engine: ModelEngine, optimizer, cfg: CriticConfig, max_response_length: int):
         self.engine, self.optimizer, self.cfg = engine, optimizer, cfg
+        # seq-mean-token-sum-norm divides by a constant, never by a (trimmed) micro-batch's width
+        self.loss_scale_factor = cfg.loss_scale_factor or max_response_length
 
     @torch.no_grad()
     def compute_values(self, batch: Dict[str, torch.Tensor], micro_size: int) -> torch.Tensor:
@@ -36,8 +38,8 @@ class CriticWorker:
     def _loss(self, output, mb, weight: float, n_micro: int):
         mask = mb["response_mask"]
         values = response_values(output, mask.shape[1])
-        vf_loss, clipfrac = algos.value_loss(values, mb["values"], mb["returns"], mask,
-                                             self.cfg.cliprange_value, self.cfg.loss_agg_mode)
+        vf_loss, clipfrac = algos.value_loss(values, mb["values"], mb["returns"], mask, self.cfg.cliprange_value,
+                                             self.cfg.loss_agg_mode, self.loss_scale_factor)
         metrics = {"critic/vf_loss": vf_loss.item() * weight, "critic/vf_clipfrac": float(clipfrac) * weight,
                    "critic/vpred_mean": algos.masked_mean(values, mask).item() * weight}
         scaled = vf_loss * weight * n_micro * self.engine.groups.dp

@@ -1,7 +1,8 @@
 """The optimizer-step loop shared by actor and critic: mini-batches → micro-batches → one step each.
 
-Each micro-batch loss is weighted by its share of the DP-global mini-batch (tokens for
-token-mean, rows otherwise), so gradients and reported losses are independent of the split.
+Each micro-batch loss is weighted by its share of the DP-global mini-batch normaliser (loss tokens
+for token-mean, rows with a loss token for the seq-mean modes), so gradients and reported losses
+are the mini-batch's `algos.agg_loss` whatever the micro-batch split and the DP size.
 """
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ from typing import Callable, Dict, Iterable, List
 
 import torch
 
+from hybridrl.algos import agg_loss_denominator
 from hybridrl.metrics import mean_of
 from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
 
 
 def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:
-    """Share of each micro-batch in the DP-global mini-batch normaliser."""
-    per_token = mode == "token-mean"
-    sizes = [float(mb["response_mask"].sum()) if per_token else float(mb["response_mask"].shape[0])
-             for mb in micro_batches]
+    """Share of each micro-batch in the DP-global mini-batch normaliser of `loss_agg_mode` `mode`.
+
+    A micro-batch with no loss token gets 0. The constant of seq-mean-token-sum-norm is not part
+    of the share: agg_loss divides by it (the same on every micro-batch)."""
+    sizes = [agg_loss_denominator(mb["response_mask"], mode) for mb in micro_batches]
     total = dp_sum({"n": sum(sizes)}, engine.groups)["n"]
-    return [s / max(total, 1e-8) for s in sizes]
+    return [s / total if total > 0 else 0.0 for s in sizes]
 
 
 def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], micro_size: int,
