@@ -12,32 +12,40 @@ from hybridrl.rewards import math as math_reward
 
 # --- gsm8k -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, strict, flexible", [
-    ("so she has 72 clips.\n#### 72", "72", "72"),
-    ("#### 5 first, then corrected\n#### 8", "8", "8"),            # last #### wins
-    ("the loss is #### -3", "-3", "-3"),
-    ("#### 2.5", "2.5", "2.5"),
-    ("#### 1,600", "1600", "1600"),                                # commas stripped
-    ("#### $18", "18", "18"),                                      # dollars stripped
-    ("#### 72.", "72", "72"),                                      # sentence-final dot
-    ("she has 12 apples and 3 pears, so 15 in all.", None, "15"),  # no #### marker
-    ("no numbers here, sorry.", None, None),                       # "," and "." are not numbers
-    ("####72", None, "72"),                                        # strict needs the space
+@pytest.mark.parametrize("text, strict, flexible, lenient", [
+    ("so she has 72 clips.\n#### 72", "72", "72", "72"),
+    ("#### 5 first, then corrected\n#### 8", "8", "8", "8"),             # last one wins
+    ("the loss is #### -3", "-3", "-3", "-3"),
+    ("#### 2.5", "2.5", "2.5", "2.5"),
+    ("#### 1,600", "1600", "1,600", "1600"),                           # strict drops commas, flexible not
+    ("#### $18", None, "18", "18"),                                    # strict: a digit right after "#### "
+    ("#### 72.", "72.", "72.", "72"),                                  # verl keeps the period
+    ("she has 12 apples and 3 pears, so 15 in all.", None, "15", "15"),  # a lone "." is skipped
+    ("no numbers here, sorry.", None, ",", None),                      # ... a lone "," is not (verl)
+    ("####72", None, "72", "72"),                                      # strict needs the space
+    ("The answer is $1,000.", None, "1,000.", "1000"),
 ])
-def test_gsm8k_extraction(text, strict, flexible):
+def test_gsm8k_extraction(text, strict, flexible, lenient):
     assert gsm8k.extract_solution(text, "strict") == strict
     assert gsm8k.extract_solution(text, "flexible") == flexible
+    assert gsm8k.extract_solution(text, "flexible_lenient") == lenient
 
 
 def test_gsm8k_scores_and_format_score():
     assert gsm8k.compute_score("#### 72", "72") == 1.0
-    assert gsm8k.compute_score("#### 72", " 72 ") == 1.0                 # ground truth stripped
+    assert gsm8k.compute_score("#### 72", " 72 ") == 0.0                 # compared as written, as verl
+    assert gsm8k.compute_score("#### 72", " 72 ", method="flexible_lenient") == 1.0
     assert gsm8k.compute_score("#### 71", "72") == 0.0
     assert gsm8k.compute_score("#### 71", "72", format_score=0.1) == 0.1
     assert gsm8k.compute_score("no answer", "72", format_score=0.1) == 0.0
     assert gsm8k.compute_score("#### 72", "72", score=2.0) == 2.0
     assert gsm8k.compute_score("#### 72.0", "72") == 0.0                 # string comparison, as verl
     assert gsm8k.compute_score("it is 72", "72", method="flexible") == 1.0
+    assert gsm8k.compute_score("#### 72", 72) == 1.0                     # a non-string truth as its str()
+    assert gsm8k.compute_score("it is 1,000.", "1000", method="flexible") == 0.0
+    assert gsm8k.compute_score("it is 1,000.", "1,000", method="flexible_lenient") == 1.0
+    with pytest.raises(ValueError, match="flexible_lenient"):
+        gsm8k.extract_solution("#### 1", "lenient")
 
 
 def test_gsm8k_only_the_last_300_characters_count():
@@ -147,11 +155,14 @@ def test_unknown_data_source_lists_known_ones():
 
 def test_manager_builtin_batch():
     manager = RewardManager(RewardConfig(gsm8k_method="flexible"))
-    scores = manager(["so 72", "\\boxed{0.5}", "7x", "8"],
-                     ["openai/gsm8k", "math", "synthetic/arith", "synthetic/arith"],
-                     ["72", "\\frac{1}{2}", "7", "9"], [{}, {}, {}, {}])
+    scores, extra = manager.score_batch(["so 72", "\\boxed{0.5}", "7x", "8", "x"],
+                                        ["openai/gsm8k", "math", "synthetic/arith", "synthetic/arith", "openai/gsm8k"],
+                                        ["72", "\\frac{1}{2}", "7", "9", "1"], [{}] * 5)
     assert scores.dtype == torch.float32
-    assert torch.allclose(scores, torch.tensor([1.0, 1.0, 0.8, 0.3]))
+    assert torch.allclose(scores, torch.tensor([1.0, 1.0, 0.8, 0.3, 0.0]))
+    # the extracted answer of every built-in (maj@N votes on it); accuracy where the score is shaped
+    assert extra["pred"] == ["72", "0.5", "7", "8", ""]
+    assert extra["acc"] == [None, None, 1.0, 0.0, None]
     with pytest.raises(RewardError, match="differ in length"):
         manager(["a"], ["math", "math"], ["1"])
 

@@ -21,16 +21,30 @@ MAX_NUMBER_CHARS = 4
 _LEADING_NUMBER = re.compile(r"\d+")
 
 
+def prediction(solution_str: str) -> str:
+    """The leading number of the response ("" when it does not start with a digit)."""
+    m = _LEADING_NUMBER.match(solution_str.strip())
+    return m.group() if m else ""
+
+
+def is_correct(solution_str: str, ground_truth) -> bool:
+    """The leading number equals the ground truth (the task's accuracy, without partial credit)."""
+    answer, truth = prediction(solution_str), str(ground_truth).strip()
+    if not answer:
+        return False
+    try:
+        return int(answer) == int(truth)
+    except ValueError:  # a non-integer ground truth: compare as text
+        return answer == truth
+
+
 def compute_score(solution_str: str, ground_truth) -> float:
     s = solution_str.strip()
-    m = _LEADING_NUMBER.match(s)
-    if m is None:
+    answer = prediction(s)
+    if not answer:
         return 0.0
     score = STARTS_WITH_DIGIT
-    if m.end() == len(s) and len(s) <= MAX_NUMBER_CHARS:
+    if len(answer) == len(s) and len(s) <= MAX_NUMBER_CHARS:
         score += SHORT_NUMBER
-    try:
-        correct = int(m.group()) == int(str(ground_truth).strip())
-    except ValueError:  # a non-integer ground truth: compare as text
-        correct = m.group() == str(ground_truth).strip()
+    correct = is_correct(s, ground_truth)
     return round(score + CORRECT if correct else score, 6)  # 0.1 + 0.7 is 0.7999... in floats

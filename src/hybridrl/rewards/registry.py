@@ -5,7 +5,9 @@
 scores a batch of decoded responses into a FloatTensor [B]; `combine_scores` mixes those rule scores
 with a reward model's (`reward_model.combine`). A user function is called verl-style,
 fn(data_source=, solution_str=, ground_truth=, extra_info=), and may return a float or a dict
-with "score" (its other numeric keys come back as extra metrics). Non-finite scores are errors.
+with "score" (its other keys come back as extra per-response values). Built-in scorers add "pred"
+(the extracted answer, for maj@N) and, where the score has partial credit (the synthetic task),
+"acc". Non-finite scores are errors.
 """
 from __future__ import annotations
 
@@ -49,6 +51,20 @@ def get_reward_fn(data_source: str, gsm8k_method: str = "strict") -> Callable[[s
                       "set reward.custom_function.path (and reward.custom_function.name)")
 
 
+def builtin_extras(data_source: str, response: str, ground_truth: Any,
+                   gsm8k_method: str = "strict") -> Dict[str, Any]:
+    """Per-response values beside the built-in score: "pred" ("" when no answer), "acc" for arith."""
+    kind = BUILTIN_REWARDS.get(data_source)
+    if kind == "gsm8k":
+        return {"pred": gsm8k.extract_solution(response, gsm8k_method) or ""}
+    if kind == "math":
+        boxed = math.last_boxed_only_string(response)
+        return {"pred": math.normalize(math.remove_boxed(boxed)) if boxed else ""}
+    if kind == "arith":
+        return {"pred": arith.prediction(response), "acc": float(arith.is_correct(response, ground_truth))}
+    return {}
+
+
 def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
     """The function `name` from the python file at `path` (imported by file path)."""
     if not os.path.isfile(path):
@@ -85,7 +101,8 @@ class RewardManager:
         if self.custom_fn is not None:
             return self.custom_fn(data_source=data_source, solution_str=response,
                                   ground_truth=ground_truth, extra_info=extra_info)
-        return get_reward_fn(data_source, self.cfg.gsm8k_method)(response, ground_truth)
+        score = get_reward_fn(data_source, self.cfg.gsm8k_method)(response, ground_truth)
+        return {"score": score, **builtin_extras(data_source, response, ground_truth, self.cfg.gsm8k_method)}
 
     def _check(self, value: Any, row: int, data_source: str) -> float:
         try:
