@@ -94,7 +94,7 @@ def test_train_rm_at_pp2_then_ppo_against_it(tmp_path):
                      "Ready for real training"):
         assert fragment in dry, fragment
     out = _run(ppo)
-    assert re.search(r"val/synthetic/arith/acc: [\d.]+ \(step 0\) -> [\d.]+ \(step 2\) -> [\d.]+ \(step 4\)", out), out
+    assert re.search(r"val-core/synthetic/arith/acc/mean@1: [\d.]+ \(step 0\) -> [\d.]+ \(step 2\) -> [\d.]+ \(step 4\)", out), out
     scalars = read_scalars(tmp_path)
     assert set(scalars["critic/rm_score/mean"]) == {1, 2, 3, 4}
     for step in (1, 4):  # combine=replace: the training score is the reward model's

@@ -347,9 +347,6 @@ def gspo_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
     return agg_loss(losses, m, agg_mode, loss_scale_factor), {k: v.detach() for k, v in stats.items()}
 
 
-POLICY_LOSS_MODES = ("vanilla", "gspo")
-
-
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
                clip: float = 0.5, agg_mode: str = "token-mean",
                loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Tensor]:

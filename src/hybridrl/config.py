@@ -155,6 +155,17 @@ class OffloadConfig:
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSS_MODES = ("vanilla", "gspo")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """vanilla (dual-clip PPO on token ratios) or gspo (one clipped ratio per sequence; use clip
+    ranges near 3e-4 / 4e-4 and loss_agg_mode seq-mean-token-mean, as verl's GSPO recipe)."""
+
+    def __post_init__(self):
+        _one_of("actor.policy_loss.loss_mode", self.loss_mode, POLICY_LOSS_MODES)
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,10 @@ class ActorConfig:
     """Dual-clip constant for negative advantages (> 1)."""
     loss_agg_mode: str = "token-mean"
     """How token losses become one number."""
+    loss_scale_factor: Optional[int] = None
+    """Constant divisor of seq-mean-token-sum-norm; None: data.max_response_length."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy-gradient loss (verl's actor.policy_loss.loss_mode)."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight."""
     use_kl_loss: bool = False
@@ -195,6 +210,7 @@ class ActorConfig:
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
         _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("actor.kl_loss_type", self.kl_loss_type, KL_KINDS)
+        _check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "actor.loss_scale_factor must be > 0")
 
 
 @dataclass(frozen=True)
@@ -213,11 +229,14 @@ class CriticConfig:
     """Value clipping range around the old values."""
     loss_agg_mode: str = "token-mean"
     """How token losses become one number."""
+    loss_scale_factor: Optional[int] = None
+    """Constant divisor of seq-mean-token-sum-norm; None: data.max_response_length."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What to move to CPU during rollout."""
 
     def __post_init__(self):
         _one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "critic.loss_scale_factor must be > 0")
 
 
 @dataclass(frozen=True)
@@ -226,6 +245,28 @@ class RefConfig:
     """Samples per forward of the frozen reference."""
     offload_params: bool = False
     """Keep the reference weights on CPU between uses."""
+
+
+@dataclass(frozen=True)
+class ValKwargsConfig:
+    n: int = 1
+    """Responses per prompt during validation (mean@N, best@N, maj@N)."""
+    do_sample: bool = False
+    """Sample during validation; False is greedy whatever the temperature."""
+    temperature: float = 0.0
+    """Validation sampling temperature (with do_sample)."""
+    top_p: float = 1.0
+    """Validation nucleus mass (with do_sample)."""
+    top_k: int = -1
+    """Validation top-k, -1 disables (with do_sample)."""
+
+    def __post_init__(self):
+        _check(self.n >= 1, "rollout.val_kwargs.n must be >= 1")
+        _check(self.n == 1 or (self.do_sample and self.temperature > 0),
+               f"rollout.val_kwargs.n={self.n} without sampling gives {self.n} identical greedy responses; "
+               "set rollout.val_kwargs.do_sample=true and rollout.val_kwargs.temperature > 0, or n=1")
+        _check(self.temperature >= 0, "rollout.val_kwargs.temperature must be >= 0")
+        _check(0 < self.top_p <= 1, "rollout.val_kwargs.top_p must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -252,10 +293,8 @@ class RolloutConfig:
     """Sequences decoded at once: the native engine's KV-cache slots (refilled as rows stop); vLLM's max_num_seqs."""
     free_cache_engine: bool = True
     """Sleep the engine (free KV cache/weights) after each rollout."""
-    val_temperature: float = 0.0
-    """Temperature during validation (0 = greedy)."""
-    val_n: int = 1
-    """Responses per prompt during validation."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling of validation (verl's rollout.val_kwargs)."""
     seed: int = 0
     """Sampling seed."""
 
@@ -288,6 +327,20 @@ class KLControlConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
+    metric: str = "acc"
+    """Per-response value compared within a group: acc / score (before overlong shaping), seq_reward (after),
+    or a numeric key returned by the custom reward function."""
+    max_num_gen_batches: int = 0
+    """Most generation batches per step before stopping with an error; <= 0: no limit."""
+
+    def __post_init__(self):
+        _check(bool(self.metric), "algorithm.filter_groups.metric must name a value, e.g. acc")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """gae (PPO with critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."""
@@ -303,6 +356,8 @@ class AlgorithmConfig:
     """KL estimator of the reward penalty."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Controller of the reward-penalty coefficient."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling."""
 
     def __post_init__(self):
         _one_of("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
@@ -322,14 +377,34 @@ class CustomRewardConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO overlong shaping: penalise responses longer than data.max_response_length - len."""
+    len: int = 0
+    """Tokens of the buffer at the end of the response length where the penalty ramps up."""
+    penalty_factor: float = 1.0
+    """Penalty at the full response length (linear from 0 at the buffer start)."""
+
+    def __post_init__(self):
+        _check(not self.enable or self.len > 0, "reward.overlong_buffer.len must be > 0 when enabled")
+        _check(self.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor must be >= 0")
+
+
+GSM8K_METHODS = ("strict", "flexible", "flexible_lenient")
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     """User reward function."""
     gsm8k_method: str = "strict"
-    """strict (#### answer) or flexible (last number) GSM8k scoring."""
+    """strict ("#### " then the number) or flexible (last number), both as verl; flexible_lenient
+    (last number, commas/$/final period stripped) is hybridrl's own."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong reward shaping."""
 
     def __post_init__(self):
-        _one_of("reward.gsm8k_method", self.gsm8k_method, ("strict", "flexible"))
+        _one_of("reward.gsm8k_method", self.gsm8k_method, GSM8K_METHODS)
 
 
 REWARD_COMBINE_MODES = ("replace", "add")
@@ -400,7 +475,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts learning."""
     test_freq: int = 10
-    """Validate every this many steps; 0 disables (-1: only at the end)."""
+    """Validate every this many steps and at the last; 0 disables, -1 only at the last step."""
     val_before_train: bool = True
     """Validate once before the first step."""
     save_freq: int = 0
@@ -427,9 +502,13 @@ class TrainerConfig:
     """Global seed of torch RNGs."""
     progress_bar: bool = True
     """Show a progress bar over steps (rank 0)."""
+    log_freq: int = 1
+    """Print a console line every this many steps (and at validations and the last step)."""
 
     def __post_init__(self):
         _check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")
+        _check(self.test_freq >= -1, "trainer.test_freq must be >= 1, 0 (never) or -1 (only at the end)")
+        _check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
         _check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep must be >= 1")
         for sink in self.logger:
             _one_of("trainer.logger", sink, ("console", "tensorboard"))

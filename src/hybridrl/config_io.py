@@ -49,7 +49,14 @@ def field_type(key: str) -> str:
     return str(ftype)
 
 
+# Keys that moved to verl's names (README, "Migration"): the error names the new key.
+MOVED_KEYS = {"rollout.val_n": "rollout.val_kwargs.n",
+              "rollout.val_temperature": "rollout.val_kwargs.temperature (with rollout.val_kwargs.do_sample=true)"}
+
+
 def _unknown_key_error(full_key: str) -> ConfigError:
+    if full_key in MOVED_KEYS:
+        return ConfigError(f"config key '{full_key}' is now '{MOVED_KEYS[full_key]}' (verl's name); rename it")
     return ConfigError(f"unknown config key '{full_key}'; did you mean '{nearest_key(full_key)}'?")
 
 

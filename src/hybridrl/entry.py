@@ -57,7 +57,7 @@ def user_errors() -> tuple:
     for module, name in (("hybridrl.data", "DataError"), ("hybridrl.tokenizer", "TokenizerError"),
                          ("hybridrl.rewards.registry", "RewardError"), ("hybridrl.models.hf_config", "UnsupportedConfigError"),
                          ("hybridrl.models.hf_checkpoint", "CheckpointMismatchError"), ("hybridrl.reshard", "HandoffError"),
-                         ("hybridrl.trainer", "TrainingError"),
+                         ("hybridrl.trainer", "TrainingError"), ("hybridrl.dynamic_sampling", "FilterGroupsError"),
                          ("hybridrl.checkpoint", "CheckpointError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))

@@ -98,6 +98,10 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     _require(world_size % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
              f"rollout.tensor_model_parallel_size={rtp} must divide the world size ({world_size}) "
              f"and the attention/KV heads ({dims.num_attention_heads}/{dims.num_key_value_heads})")
+    buffer = cfg.reward.overlong_buffer
+    _require(not buffer.enable or buffer.len <= cfg.data.max_response_length,
+             f"reward.overlong_buffer.len={buffer.len} is longer than data.max_response_length="
+             f"{cfg.data.max_response_length}; make the buffer a part of the response length")
     samples = cfg.data.train_batch_size * cfg.rollout.n
     _require(samples % dp == 0,
              f"data.train_batch_size * rollout.n = {samples} is not divisible by dp={dp}; "

@@ -129,14 +129,15 @@ class MetricsWriter:
             os.makedirs(log_dir, exist_ok=True)
             self.tb = SummaryWriter(log_dir=log_dir)
 
-    def log(self, metrics: Dict[str, float], step: int, console_keys=None) -> None:
+    def log(self, metrics: Dict[str, float], step: int, console_keys=None, console: bool = True) -> None:
+        """TensorBoard always; a console line (console_keys, else all) when `console`."""
         if not self.enabled:
             return
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
             self.tb.flush()
-        if self.console:
+        if self.console and console:
             keys = console_keys or sorted(metrics)
             from tqdm import tqdm  # writes above an active progress bar instead of through it
 

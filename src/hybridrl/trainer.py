@@ -1,10 +1,12 @@
 """The PPO / GRPO loop. One step:
 
-    rollout → reward → old log-probs (actor) → ref log-probs → values (critic, PPO only)
-    → KL penalty → advantages → critic update → actor update → weights into the rollout engine
+    rollout → reward (→ DAPO: drop all-equal groups, generate more) → old log-probs (actor)
+    → ref log-probs → values (critic, PPO only) → KL penalty → advantages → critic update
+    → actor update → weights into the rollout engine
 
 Every rank runs this code (SPMD); each DP rank owns a slice of the prompts, and TP/PP peers hold
-the same slice. Details live one level down: workers/, step_batch.py, roles.py, metrics.py.
+the same slice. Details live one level down: workers/, step_batch.py, roles.py, metrics.py,
+dynamic_sampling.py (DAPO), validation.py (verl's val-core metrics).
 """
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import torch.distributed as dist
 
 from hybridrl import algos
 from hybridrl.config import Config
+from hybridrl.dynamic_sampling import sample_filtered
 from hybridrl.offload import Offloader
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
+from hybridrl.rewards.overlong import overlong_penalty
 from hybridrl.rewards.registry import combine_scores
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
+from hybridrl.validation import metrics_from_samples
 from hybridrl.workers.engine import dp_sum
 
 
@@ -47,14 +52,12 @@ class PPOTrainer:
                            if w is not None and (off.params or off.grads or off.optimizer)]
 
     # ---- one step -------------------------------------------------------------------------
-    def train_step(self, prompts, step: int, update: bool = True) -> Dict[str, float]:
+    def train_step(self, prompts, step: int, update: bool = True, next_prompts=None) -> Dict[str, float]:
+        """One PPO step; `next_prompts()` gives more prompt batches to DAPO's dynamic sampling."""
         cfg, t = self.cfg, self.timer
         t.reset()
         step_start = time.perf_counter()
-        with t("gen"):
-            batch = self.generate(prompts, self.train_sampling(), step)
-        with t("reward"):
-            scores = self.score(batch, prompts, cfg.rollout.n)
+        batch, scores, sample_metrics = self.sample(prompts, step, next_prompts)
         with t("old_log_prob"):
             batch["old_log_probs"], entropy = self.actor.compute_log_prob(
                 batch, cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
@@ -66,6 +69,7 @@ class PPOTrainer:
                 batch["values"] = self.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
         with t("adv"):
             metrics = self.compute_advantages(batch, scores)
+        metrics.update(sample_metrics)
         if self.critic is not None:
             with t("update_critic"):
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
@@ -133,23 +137,49 @@ class PPOTrainer:
         batch["rollout_log_probs"] = rollout["rollout_log_probs"]
         return batch
 
+    def sample(self, prompts, step: int, next_prompts=None):
+        """(batch, scores, metrics) of this step: one generation batch, or DAPO's dynamic sampling."""
+        def generate_and_score(p):
+            with self.timer("gen"):
+                batch = self.generate(p, self.train_sampling(), step)
+            with self.timer("reward"):
+                return (batch, *self.score_details(batch, p, self.cfg.rollout.n))
+
+        if not self.cfg.algorithm.filter_groups.enable:
+            batch, scores, _, _ = generate_and_score(prompts)
+            return batch, scores, {}
+        return sample_filtered(generate_and_score, prompts, next_prompts, self.cfg, self.groups,
+                               self.tok.pad_token_id, step)
+
     def score(self, batch, prompts, n: int, use_reward_model: bool = True) -> torch.Tensor:
-        """Rule scores of the decoded responses; with a reward model (training only) its scores, kept in
-        batch["rm_scores"], replace them or are added to them (reward_model.combine)."""
+        return self.score_details(batch, prompts, n, use_reward_model)[0]
+
+    def score_details(self, batch, prompts, n: int, use_reward_model: bool = True):
+        """(scores, scores before overlong shaping, the rule reward's extra values per response).
+
+        Rule scores of the decoded responses; with a reward model (training only) its scores, kept in
+        batch["rm_scores"], replace them or are added to them (reward_model.combine); then DAPO's
+        overlong penalty (reward.overlong_buffer) when enabled. Scores are on the run's device."""
         responses = batch["responses"].cpu()  # one copy to the host
         real = batch["attention_mask"][:, -responses.shape[1]:].cpu()  # the response's real tokens (verl)
         texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(responses, real)]
         rep = lambda xs: [x for x in xs for _ in range(n)]
         rm, combine = (self.roles.reward_model if use_reward_model else None), self.cfg.reward_model.combine
-        rule = None
+        rule, infos = None, {}
         if rm is None or combine == "add":
-            rule = _finite(self.reward_fn(texts, rep(prompts.data_source), rep(prompts.ground_truth),
-                                          rep(prompts.extra_info)), "reward function")
-        if rm is None:
-            return rule.to(self.groups.device, torch.float32)
-        with self.on_device(rm):
-            batch["rm_scores"] = _finite(rm.compute_rm_score(batch, rep(prompts.messages), texts), "reward model")
-        return combine_scores(rule, batch["rm_scores"], combine).to(self.groups.device)
+            rule, infos = self.reward_fn.score_batch(texts, rep(prompts.data_source), rep(prompts.ground_truth),
+                                                     rep(prompts.extra_info))
+            rule = _finite(rule, "reward function").to(self.groups.device, torch.float32)
+        raw = rule
+        if rm is not None:
+            with self.on_device(rm):
+                batch["rm_scores"] = _finite(rm.compute_rm_score(batch, rep(prompts.messages), texts), "reward model")
+            raw = combine_scores(rule, batch["rm_scores"], combine).to(self.groups.device)
+        buffer = self.cfg.reward.overlong_buffer
+        if not buffer.enable:
+            return raw, raw, infos
+        penalty = overlong_penalty(real.sum(-1), self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+        return raw + penalty.to(raw.device), raw, infos
 
     def compute_advantages(self, batch, scores) -> Dict[str, float]:
         """KL-in-reward and advantages over the DP-global batch; each rank keeps its slice."""
@@ -197,22 +227,27 @@ class PPOTrainer:
                               self.cfg.rollout.update_weights_bucket_mb)
 
     # ---- validation -----------------------------------------------------------------------
+    def val_sampling(self) -> SamplingParams:
+        vk = self.cfg.rollout.val_kwargs
+        greedy = not vk.do_sample
+        return SamplingParams(n=vk.n, temperature=0.0 if greedy else vk.temperature, top_p=1.0 if greedy else vk.top_p,
+                              top_k=-1 if greedy else vk.top_k, max_new_tokens=self.cfg.data.max_response_length,
+                              stop_token_ids=self.tok.eos_token_ids, seed=self.cfg.rollout.seed)
+
     def validate(self, val_loader) -> Dict[str, float]:
-        r = self.cfg.rollout
-        sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=1.0, top_k=-1,
-                                  max_new_tokens=self.cfg.data.max_response_length,
-                                  stop_token_ids=self.tok.eos_token_ids, seed=r.seed)
-        totals: Dict[str, list] = {}
+        """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...)."""
+        sampling = self.val_sampling()
+        samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
         for prompts in val_loader:
             if len(prompts) == 0:
                 continue
             batch = self.generate(prompts, sampling, step=-1)
-            scores = self.score(batch, prompts, r.val_n, use_reward_model=False)  # rule-checked
-            sources = [s for s in prompts.data_source for _ in range(r.val_n)]
-            for src, s in zip(sources, scores.tolist()):
-                t = totals.setdefault(src, [0.0, 0.0, 0])
-                t[0], t[1], t[2] = t[0] + s, t[1] + float(s >= 1.0), t[2] + 1
-        return reduce_val_totals(totals, self.groups)
+            scores, _, infos = self.score_details(batch, prompts, sampling.n, use_reward_model=False)  # rule-checked
+            for i, score in enumerate(scores.tolist()):
+                p = i // sampling.n
+                values = {"reward": score, **{k: v[i] for k, v in infos.items()}}
+                samples.append((prompts.data_source[p], (prompts.index[p], prompts.raw_prompt[p]), values))
+        return metrics_from_samples(gather_objects_dp(samples, self.groups))
 
 
 def _finite(scores: torch.Tensor, source: str) -> torch.Tensor:
@@ -221,17 +256,9 @@ def _finite(scores: torch.Tensor, source: str) -> torch.Tensor:
     return scores
 
 
-def reduce_val_totals(totals: Dict[str, list], groups) -> Dict[str, float]:
-    """Sum (score, correct, count) per data_source over DP ranks → val/<source>/{score,acc}."""
+def gather_objects_dp(items: list, groups) -> list:
+    """Concatenate every DP rank's list, in rank order (the global order of the prompts)."""
     parts = [None] * groups.dp
-    dist.all_gather_object(parts, totals, group=groups.dp_group)
-    merged: Dict[str, list] = {}
-    for part in parts:
-        for src, (s, c, n) in part.items():
-            m = merged.setdefault(src, [0.0, 0.0, 0])
-            m[0], m[1], m[2] = m[0] + s, m[1] + c, m[2] + n
-    out = {}
-    for src, (s, c, n) in merged.items():
-        out[f"val/{src}/score"] = s / max(n, 1)
-        out[f"val/{src}/acc"] = c / max(n, 1)
-    return out
+    dist.all_gather_object(parts, items, group=groups.dp_group)
+    return [x for part in parts for x in part]
+

@@ -14,7 +14,19 @@ from hybridrl.trainer import PPOTrainer, TrainingError
 
 CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
                 "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean",
-                "timing_s/step")
+                "train/num_gen_batches", "timing_s/step")
+
+
+
+def _validates_at(step: int, total: int, test_freq: int) -> bool:
+    """test_freq > 0: every test_freq steps and at the last; -1: only at the last; 0: never."""
+    if test_freq == 0:
+        return False
+    return step == total or (test_freq > 0 and step % test_freq == 0)
+
+
+def _val_core(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k.startswith("val-core/")}
 
 
 def _total_steps(cfg: Config, loader) -> int:
@@ -100,26 +112,28 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     if dry_run:
         return _dry_run(trainer, train_loader, layout, cfg)
     start = _resume(trainer, resume_from, train_loader)
-    val_history = []
+    val_history = []  # (step, validation metrics) of every validation, for the closing trend
     if val_loader is not None and tc.val_before_train and start == 0:
         val_history.append((0, trainer.validate(val_loader)))
-        writer.log(val_history[-1][1], 0)
+        writer.log(val_history[-1][1], 0, tuple(_val_core(val_history[-1][1])))
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
     profile_steps, rewards = [], []
     for step in range(start + 1, total + 1):
         prompts = next(batches)
         try:
-            metrics = trainer.train_step(prompts, step)
+            metrics = trainer.train_step(prompts, step, next_prompts=lambda: next(batches))
         except FloatingPointError as err:
             raise TrainingError(f"step {step}: {err}; stopped before the update, nothing was saved for "
                                 f"this step (last checkpoint: {ckpt.latest()})") from None
-        if val_loader is not None and tc.test_freq > 0 and (step % tc.test_freq == 0 or step == total):
+        validated = val_loader is not None and _validates_at(step, total, tc.test_freq)
+        if validated:
             val_history.append((step, trainer.validate(val_loader)))
             metrics.update(val_history[-1][1])
         metrics["training/global_step"] = step
         rewards.append(metrics["critic/score/mean"])
-        writer.log(metrics, step, CONSOLE_KEYS + tuple(k for k in metrics if k.startswith("val/")))
+        console = validated or step % tc.log_freq == 0 or step == total
+        writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)
         if profile:
             print0(_profile_line(step, metrics))
             profile_steps.append(metrics)
@@ -162,10 +176,9 @@ def _print_reward_trend(rewards) -> None:
 
 
 def _print_val_trend(history) -> None:
-    """Validation score and accuracy per data source over the run: 'val/<source>/acc: 0 (step 0) -> ...'."""
-    for key in sorted(history[0][1]) if len(history) > 1 else []:
-        if key.endswith(("/acc", "/score")):
-            print0(f"{key}: " + " -> ".join(f"{m[key]:.3g} (step {step})" for step, m in history if key in m))
+    """Each headline validation value (verl's val-core) over the run: '<key>: 0 (step 0) -> ...'."""
+    for key in _val_core(history[-1][1]) if len(history) > 1 else []:
+        print0(f"{key}: " + " -> ".join(f"{m[key]:.3g} (step {step})" for step, m in history if key in m))
 
 
 def _progress(total: int, start: int, enabled: bool):
@@ -180,9 +193,10 @@ def _print_profile_average(steps) -> None:
 
 
 def _dry_run(trainer, loader, layout, cfg: Config) -> int:
-    prompts = next(iter(loader))
+    batches = _endless(loader)
+    prompts = next(batches)
     params = {n: p.detach().clone() for n, p in trainer.actor.engine.module.named_parameters()}
-    metrics = trainer.train_step(prompts, step=1, update=False)
+    metrics = trainer.train_step(prompts, step=1, update=False, next_prompts=lambda: next(batches))
     print0("dry run: one step of rollout, reward, log-probs, values, KL, advantages and losses (no update)")
     for key in sorted(metrics):
         print0(f"  {key}: {metrics[key]:.6g}")
