@@ -87,9 +87,31 @@ def test_wrong_type_names_key_and_type(override, key, expected):
     ("data.truncation=middle", "data.truncation='middle'"),
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs must be >= 1"),
+    ("actor.policy_loss.loss_mode=gpo", "actor.policy_loss.loss_mode='gpo' is not one of vanilla, gspo"),
+    ("actor.loss_scale_factor=0", "actor.loss_scale_factor must be > 0"),
+    ("rollout.val_kwargs.n=4", "set rollout.val_kwargs.do_sample=true"),
+    ("trainer.test_freq=-2", "trainer.test_freq must be >= 1, 0 (never) or -1"),
+    ("trainer.log_freq=0", "trainer.log_freq must be >= 1"),
+    ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len must be > 0"),
+    ("reward.gsm8k_method=lenient", "'lenient' is not one of strict, flexible, flexible_lenient"),
+    ("algorithm.filter_groups.metric=''", "algorithm.filter_groups.metric must name a value"),
 ])
 def test_section_rules(override, fragment):
     assert fragment in _error([override])
+
+
+@pytest.mark.parametrize("old,new", [("rollout.val_n", "rollout.val_kwargs.n"),
+                                     ("rollout.val_temperature", "rollout.val_kwargs.temperature")])
+def test_moved_keys_name_their_verl_replacement(old, new):
+    msg = _error([f"{old}=2"])
+    assert f"'{old}' is now '{new}" in msg and "rename it" in msg
+
+
+def test_overlong_buffer_must_fit_in_the_response_length():
+    overrides = ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9", "data.max_response_length=8"]
+    assert "reward.overlong_buffer.len=9 is longer than data.max_response_length=8" in _layout_error(overrides, 1)
+    cfg = load_config(TINY, overrides[:1] + ["reward.overlong_buffer.len=8", "data.max_response_length=8"])
+    derive_layout(cfg, 1)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

@@ -1,4 +1,5 @@
-"""Every loss_agg_mode gives the same update at 1, 2 and 4 micro-batches and at DP 1 and 2.
+"""Every loss_agg_mode (and GSPO's sequence-level loss) gives the same update at 1, 2 and 4 micro-batches
+and at DP 1 and 2.
 
 One actor update (policy loss + entropy bonus + KL loss) and one critic update per mode and split,
 from the same weights and on the same 8-row mini-batch (one row fully masked). Adam with eps=1 and
@@ -13,7 +14,12 @@ import torch
 from dist_helper import run_distributed
 
 B, P, R = 8, 5, 6
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo")
+
+
+def _modes(mode):
+    """(actor.policy_loss.loss_mode, loss_agg_mode) of a case; "gspo" is GSPO with its recipe's aggregation."""
+    return ("gspo", "seq-mean-token-mean") if mode == "gspo" else ("vanilla", mode)
 
 
 def _batch(vocab):
@@ -40,7 +46,7 @@ def _trimmed(batch, width):
 
 
 def _update(folder, groups, batch, mode, micro):
-    from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig
+    from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig, PolicyLossConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.roles import _trainable
@@ -49,9 +55,10 @@ def _update(folder, groups, batch, mode, micro):
     from hybridrl.workers.engine import ModelEngine
     from hybridrl.workers.optim import build_optimizer
 
+    loss_mode, mode = _modes(mode)
     optim = OptimConfig(lr=1e-2, eps=1.0, clip_grad=0.0)
     acfg = ActorConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode, entropy_coeff=0.01,
-                       use_kl_loss=True, kl_loss_coef=0.1)
+                       use_kl_loss=True, kl_loss_coef=0.1, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
     ccfg = CriticConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode)
     model, spec = model_from_hf(folder, groups)
     module = _trainable(model, Config())
@@ -106,8 +113,10 @@ def _expected_losses(ref, mode):
 
     b = _batch(97)
     mask = b["response_mask"]
-    pg, _ = algos.policy_loss(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, agg_mode=mode,
-                              loss_scale_factor=R)
+    loss_mode, mode = _modes(mode)
+    loss_fn = algos.gspo_policy_loss if loss_mode == "gspo" else algos.policy_loss
+    pg, _ = loss_fn(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, clip_low=0.2, clip_high=0.2,
+                    agg_mode=mode, loss_scale_factor=R)
     kl = algos.agg_loss(algos.kl_penalty(ref["log_probs"], b["ref_log_probs"], "low_var_kl"), mask, mode, R)
     return {"actor/pg_loss": pg.item(), "actor/kl_loss": kl.item(),
             "actor/entropy": algos.agg_loss(ref["entropy"], mask, mode, R).item()}
