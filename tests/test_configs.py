@@ -12,7 +12,8 @@ from hybridrl.layout import derive_layout
 from hybridrl.planner import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+ALL_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+                     + glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))  # recipes: tiny CPU configs
 
 # Published HF config.json values: hidden, layers, heads, kv heads, intermediate, vocab, rope_theta,
 # rms_norm_eps, tied embeddings, family; and the parameter count on the model card.

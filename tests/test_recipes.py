@@ -1,0 +1,47 @@
+"""The algorithm recipes in configs/recipes/ (DAPO, Dr. GRPO, GSPO): each sets verl's keys of its
+algorithm, and the DAPO recipe runs on CPU with dynamic sampling, overlong shaping, validation only at
+the end (trainer.test_freq=-1) and a console line every trainer.log_freq steps."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_trainer import ROOT, _overrides, read_scalars
+
+from hybridrl.config_io import load_config
+
+RECIPES = os.path.join(ROOT, "configs", "recipes")
+
+
+def test_recipes_set_their_algorithm():
+    dapo = load_config(os.path.join(RECIPES, "dapo_tiny_cpu.yaml"))
+    assert dapo.algorithm.filter_groups.enable and dapo.algorithm.filter_groups.max_num_gen_batches > 0
+    assert dapo.reward.overlong_buffer.enable and 0 < dapo.reward.overlong_buffer.len < dapo.data.max_response_length
+    assert dapo.actor.clip_ratio_high > dapo.actor.clip_ratio_low and dapo.actor.loss_agg_mode == "token-mean"
+    assert not dapo.actor.use_kl_loss and not dapo.algorithm.use_kl_in_reward
+    dr = load_config(os.path.join(RECIPES, "dr_grpo_tiny_cpu.yaml"))
+    assert dr.algorithm.adv_estimator == "grpo" and not dr.algorithm.norm_adv_by_std_in_grpo
+    assert dr.actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    gspo = load_config(os.path.join(RECIPES, "gspo_tiny_cpu.yaml"))
+    assert gspo.actor.policy_loss.loss_mode == "gspo" and gspo.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert gspo.actor.clip_ratio_low < 1e-2 and gspo.actor.clip_ratio_high < 1e-2
+
+
+@pytest.mark.slow
+def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
+    steps = 4
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config",
+           os.path.join(RECIPES, "dapo_tiny_cpu.yaml")] + _overrides(tmp_path, [
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.log_freq=3",
+        "data.val_batch_size=8", "reward.overlong_buffer.len=2", "algorithm.filter_groups.max_num_gen_batches=20"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scalars = read_scalars(tmp_path)
+    assert sorted(scalars["train/num_gen_batches"]) == list(range(1, steps + 1))
+    assert all(v >= 1 for v in scalars["train/num_gen_batches"].values())
+    assert all(0 < v <= 1 for v in scalars["train/filter_groups/kept_ratio"].values())
+    assert sorted(scalars["val-core/synthetic/arith/acc/mean@1"]) == [steps]  # -1: only after the last step
+    assert re.findall(r"^step:(\d+) ", proc.stdout, re.M) == ["3", "4"]  # every log_freq steps and the last
