@@ -17,7 +17,6 @@ CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "a
                 "train/num_gen_batches", "timing_s/step")
 
 
-
 def _validates_at(step: int, total: int, test_freq: int) -> bool:
     """test_freq > 0: every test_freq steps and at the last; -1: only at the last; 0: never."""
     if test_freq == 0:
