@@ -1,8 +1,9 @@
 """3D resharding: training TP=2 x PP=2 (4 gloo processes) -> rollout engines at TP 1 and 2.
 
-One launch does every handoff; the tests check bit-exact weights against the HF export, checksum
-verification (and its failure modes), the measured peak memory bound, and that the vLLM adapter's
-load_weights receives exactly the stream the native engine consumes.
+One launch does every handoff; the tests check bit-exact weights against the HF export, the
+verified handoff (an engine that stores a tensor wrongly through its own load path is caught, by
+the fingerprint and by the exact hash), the direct shard path at equal TP, the vLLM worker's
+read-back of its own parameter layout, and the measured peak memory bound.
 """
 import types
 
@@ -15,43 +16,161 @@ BUCKET_MB = 40 / 1024  # 40 KiB: several tensors share a bucket; the (vocab-padd
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9]]
 
 
-class _CorruptingEngine:
-    """Reports a wrong checksum for one tensor, or drops one tensor from its report."""
+def _faulty_engine_class():
+    from hybridrl.rollout.base import hf_region
+    from hybridrl.rollout.native import NativeEngine
 
-    def __init__(self, engine, name, mode):
-        self.engine, self.name, self.mode = engine, name, mode
+    class FaultyEngine(NativeEngine):
+        """A NativeEngine whose own load path stores one tensor wrongly (`fault`, `victim`)."""
+        fault, victim = None, None
+
+        def _copy_in(self, name, tensor):
+            if name != self.victim or self.fault is None:
+                return super()._copy_in(name, tensor)
+            _, view, (dim, start, stop) = self._slots[name]
+            if self.fault == "drop":  # never written: the engine keeps the previous sync's values
+                self._loaded.add(name)
+                return
+            src = hf_region(tensor, (dim, start, stop))
+            if self.fault == "wrong_slice":  # the other rollout-TP rank's rows
+                other = (start + tensor.shape[0] // 2) % tensor.shape[0]
+                src = hf_region(tensor, (dim, other, other + stop - start))
+            elif self.fault == "swapped_shard":  # the two training-TP halves of a row-parallel matrix
+                src = torch.cat(src.chunk(2, dim=1)[::-1], dim=1)
+            elif self.fault == "transposed":
+                src = src.t()
+            with torch.no_grad():
+                view.copy_(src.reshape(view.shape))
+                if self.fault == "bit_flip":  # one bit of the engine's copy, written after the load
+                    view.view(torch.int32).view(-1)[7] ^= 1 << 3
+
+        def _copy_shard(self, global_name, shard):
+            super()._copy_shard(global_name, shard)
+            if self.fault == "bit_flip" and global_name == self.victim:
+                with torch.no_grad():
+                    self.params[global_name].view(torch.int32).view(-1)[11] ^= 1 << 30
+
+    return FaultyEngine
+
+
+FAULTS = {"wrong_slice": ("model.layers.1.self_attn.k_proj.weight", 2),  # (victim, rollout TP)
+          "swapped_shard": ("model.layers.1.self_attn.o_proj.weight", 1),
+          "transposed": ("model.layers.0.self_attn.o_proj.weight", 1),
+          "drop": ("model.layers.1.mlp.up_proj.weight", 1),
+          "bit_flip": ("model.layers.0.mlp.down_proj.weight", 1)}
+
+
+def _faults(model, spec, groups) -> dict:
+    """Each fault through the engine's load path: the handoff's error (None: it passed) per verify mode."""
+    from hybridrl import reshard
+
+    engines = {tp: _faulty_engine_class()(spec, tp) for tp in (1, 2)}
+    for engine in engines.values():
+        reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+    saved = [p.detach().clone() for p in model.parameters()]
+    out = {}
+    for fault, (victim, tp) in FAULTS.items():
+        engine = engines[tp]
+        engine.fault, engine.victim = fault, victim
+        for verify in ("fingerprint", "exact", "off"):
+            with torch.no_grad():  # every sync sends new weights, so a dropped tensor leaves stale ones
+                for p in model.parameters():
+                    p.add_(0.25)
+            try:
+                reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify=verify)
+                out[fault, verify] = None
+            except reshard.HandoffError as e:
+                out[fault, verify] = str(e)
+        engine.fault = None
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+    return out
+
+
+class _VllmLayoutModel:
+    """The parameters of vLLM's Qwen2 model on TP rank `rank`, filled the way vLLM's weight loaders do
+    (written here from vLLM's linear / vocab-parallel layers, independently of hybridrl)."""
+
+    def __init__(self, spec, tp, rank, fault=None):
+        self.spec, self.tp, self.rank, self.fault, self.received = spec, tp, rank, fault, []
+        h, d, f = spec.hidden_size, spec.kv_channels, spec.intermediate_size
+        heads, kv = spec.num_attention_heads // tp, spec.num_key_value_heads // tp
+        self.vocab_rows = -(-spec.vocab_size // 64) * 64 // tp
+        self.params = {"model.embed_tokens.weight": torch.zeros(self.vocab_rows, h), "model.norm.weight": torch.zeros(h)}
+        if not spec.tie_word_embeddings:
+            self.params["lm_head.weight"] = torch.zeros(self.vocab_rows, h)
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            self.params.update({
+                p + "self_attn.qkv_proj.weight": torch.zeros((heads + 2 * kv) * d, h),
+                p + "self_attn.qkv_proj.bias": torch.zeros((heads + 2 * kv) * d),
+                p + "self_attn.o_proj.weight": torch.zeros(h, heads * d),
+                p + "mlp.gate_up_proj.weight": torch.zeros(2 * f // tp, h),
+                p + "mlp.down_proj.weight": torch.zeros(h, f // tp),
+                p + "input_layernorm.weight": torch.zeros(h), p + "post_attention_layernorm.weight": torch.zeros(h)})
+
+    def named_parameters(self):
+        return iter(self.params.items())
 
     def load_weights(self, weights):
-        got = self.engine.load_weights(weights)
-        if self.name in got:
-            if self.mode == "drop":
-                del got[self.name]
+        tp, r = self.tp, self.rank
+        for name, t in weights:
+            self.received.append((name, t.clone()))
+            kind = name.split(".")[-2]
+            mine = t.chunk(tp, dim=0)[r]
+            if kind in ("embed_tokens", "lm_head"):
+                rows = t[r * self.vocab_rows:(r + 1) * self.vocab_rows]
+                self.params[name][:rows.shape[0]] = rows
+            elif kind in ("q_proj", "k_proj", "v_proj"):
+                dst = self.params[name.replace(kind, "qkv_proj")]
+                q = self.spec.num_attention_heads // tp * self.spec.kv_channels
+                kv = self.spec.num_key_value_heads // tp * self.spec.kv_channels
+                if self.fault == "wrong_slice" and kind == "k_proj":
+                    mine = t.chunk(tp, dim=0)[(r + 1) % tp]
+                at = {"q_proj": 0, "k_proj": q, "v_proj": q + kv}[kind]
+                dst[at:at + mine.shape[0]] = mine
+            elif kind in ("gate_proj", "up_proj"):
+                dst = self.params[name.replace(kind, "gate_up_proj")]
+                at = dst.shape[0] // 2 if kind == "up_proj" else 0
+                dst[at:at + mine.shape[0]] = mine
+            elif kind in ("o_proj", "down_proj"):
+                self.params[name][:] = t.chunk(tp, dim=1)[r]
             else:
-                got[self.name] = "0" * 32
-        return got
-
-
-class _FakeWorker:
-    """Stands in for a vLLM worker: `model_runner.model.load_weights` records what it gets."""
-
-    def __init__(self):
-        self.received = []
-        self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=self._load))
-
-    def _load(self, weights):
-        self.received += [(n, t.clone()) for n, t in weights]
+                self.params[name][:] = t
         return {n for n, _ in self.received}
 
 
 class _FakeLLM:
-    def __init__(self):
-        self.worker = _FakeWorker()
+    """Stands in for vLLM's LLM: `collective_rpc(fn, args)` calls fn(worker, *args) on one worker."""
+
+    def __init__(self, model):
+        self.worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [method(self.worker, *args, **(kwargs or {}))]
 
     def reset_prefix_cache(self):
         return True
+
+
+def _vllm_handoffs(model, spec, groups) -> dict:
+    from hybridrl import reshard
+    from hybridrl.config import RolloutConfig
+    from hybridrl.rollout.vllm import VLLMEngine
+
+    out = {}
+    for tp in (1, 2):
+        rank = torch.distributed.get_rank() % tp
+        for fault in (None, "wrong_slice"):
+            fake = _VllmLayoutModel(spec, tp, rank, fault)
+            engine = VLLMEngine(spec, RolloutConfig(name="vllm", tensor_model_parallel_size=tp), llm=_FakeLLM(fake))
+            try:
+                out[tp, fault] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+            except reshard.HandoffError as e:
+                out[tp, fault] = str(e)
+            out[tp, fault, "received"] = fake.received
+    return out
 
 
 def _expected_shards(export, spec, tp, tp_rank):
@@ -61,13 +180,39 @@ def _expected_shards(export, spec, tp, tp_rank):
     return {g: hc.read_shard(g, reader, spec, tp, tp_rank) for _, g in hc.stage_names(spec, 1, 0)}
 
 
+def _direct_handoff(folder) -> dict:
+    """Training TP 2, PP 1 into an engine at rollout TP 2: shards straight into its parameters."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl import reshard
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, model_from_hf
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    ps.destroy_model_parallel()
+    groups = init_model_parallel(2, 1)
+    model, spec = model_from_hf(folder, groups)
+    export = {n: t.clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
+    engine = _faulty_engine_class()(spec, 2)
+    report = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, measure_memory=True)
+    expected = _expected_shards(export, spec, 2, engine.groups.tp_rank)
+    training = reshard.weight_state(model)
+    out = {"report": report, "bit_exact": all(torch.equal(engine.params[g], t) for g, t in expected.items()),
+           "own_storage": all(engine.params[g].data_ptr() != training[g].data_ptr() for g in expected)}
+    engine.fault, engine.victim = "bit_flip", "decoder.layers.1.mlp.linear_fc2.weight"
+    try:
+        reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+        out["bit_flip_error"] = None
+    except reshard.HandoffError as e:
+        out["bit_flip_error"] = str(e)
+    return out
+
+
 def _handoffs(folder, tied_folder):
     from hybridrl import reshard
     from hybridrl.models.hf_checkpoint import SafetensorsReader, mcore_to_hf_stream, model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.native import NativeEngine
-    from hybridrl.rollout.vllm import VLLMEngine
 
     groups = init_model_parallel(2, 2)
     model, spec = model_from_hf(folder, groups)
@@ -79,20 +224,14 @@ def _handoffs(folder, tied_folder):
            "export": export, "rank": groups.pp_rank * 2 + groups.tp_rank}
     for tp in (1, 2):
         engine = NativeEngine(spec, tp)
-        res[f"report_tp{tp}"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+        res[f"report_tp{tp}"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB,
+                                                              measure_memory=True)
         expected = _expected_shards(export, spec, tp, engine.groups.tp_rank)
         res[f"bit_exact_tp{tp}"] = all(torch.equal(engine.params[g], t) for g, t in expected.items())
         res[f"greedy_tp{tp}"] = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6)).responses
-    victim = "model.layers.1.self_attn.k_proj.weight"
-    for mode in ("corrupt", "drop"):
-        try:
-            reshard.update_engine_weights(_CorruptingEngine(engine, victim, mode), model, spec, groups, BUCKET_MB)
-            res[f"{mode}_error"] = None
-        except reshard.HandoffError as e:
-            res[f"{mode}_error"] = str(e)
-    fake = _FakeLLM()
-    res["vllm_report"] = reshard.update_engine_weights(VLLMEngine("unused", llm=fake), model, spec, groups, BUCKET_MB)
-    res["vllm_received"] = fake.worker.received
+    res["exact_report"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify="exact")
+    res["faults"] = _faults(model, spec, groups)
+    res["vllm"] = _vllm_handoffs(model, spec, groups)
     tied_model, tied_spec = model_from_hf(tied_folder, groups)
     tied_engine = NativeEngine(tied_spec, 2)
     reshard.update_engine_weights(tied_engine, tied_model, tied_spec, groups, BUCKET_MB)
@@ -100,6 +239,7 @@ def _handoffs(folder, tied_folder):
     tied_expected = _expected_shards(tied_export, tied_spec, 2, tied_engine.groups.tp_rank)
     res["tied_bit_exact"] = all(torch.equal(tied_engine.params[g], t) for g, t in tied_expected.items())
     res["spec"] = spec
+    res["direct"] = _direct_handoff(folder)
     return res
 
 
@@ -120,7 +260,7 @@ def test_engine_weights_equal_hf_export_bit_for_bit(runs, tp):
         assert res["export_is_checkpoint"]
         assert res[f"bit_exact_tp{tp}"], f"rank {res['rank']}: rollout TP={tp} weights differ from the export"
         report = res[f"report_tp{tp}"]
-        assert report.verified and report.num_tensors == len(res["export"])
+        assert report.verified and report.verify == "fingerprint" and report.num_tensors == len(res["export"])
     assert all(torch.equal(r["greedy_tp1"], runs[0]["greedy_tp1"]) for r in runs)
     assert all(torch.equal(r["greedy_tp2"], runs[0]["greedy_tp1"]) for r in runs)
 
@@ -162,20 +302,111 @@ def test_peak_memory_within_one_bucket_plus_largest_tensor(runs, tp):
 
 
 @pytest.mark.distributed
-def test_checksum_mismatch_names_the_tensor(runs):
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_wrongly_stored_tensor_fails_the_handoff(runs, fault):
+    victim = FAULTS[fault][0]
     for res in runs:
-        assert "checksum mismatch" in res["corrupt_error"]
-        assert "model.layers.1.self_attn.k_proj.weight" in res["corrupt_error"]
-        assert "did not report" in res["drop_error"] and "k_proj" in res["drop_error"]
+        for verify in ("fingerprint", "exact"):
+            error = res["faults"][fault, verify]
+            assert error is not None and victim in error, (fault, verify, error)
+        assert res["faults"][fault, "off"] is None  # the engine itself does not notice: the check does
+    assert all(r["exact_report"].verified and r["exact_report"].verify == "exact" for r in runs)
 
 
 @pytest.mark.distributed
-def test_vllm_adapter_receives_the_native_stream(runs):
+def test_equal_tp_sends_shards_straight_into_the_engine(runs):
     for res in runs:
-        assert res["vllm_report"].verified
-        received = res["vllm_received"]
+        d = res["direct"]
+        assert d["report"].direct and d["report"].verified and d["bit_exact"] and d["own_storage"]
+        assert d["report"].peak_extra_bytes < 2**16, "no gather and no bucket: only the digests' few bytes"
+        assert "model.layers.1.mlp.down_proj.weight" in d["bit_flip_error"]
+    assert not runs[0]["report_tp2"].direct  # PP 2: buckets
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_worker_reads_back_its_own_layout(runs, tp):
+    for res in runs:
+        report = res["vllm"][tp, None]
+        assert report.verified and not report.direct
+        received = res["vllm"][tp, None, "received"]
         assert [n for n, _ in received] == list(res["export"])
         assert all(torch.equal(t, res["export"][n]) for n, t in received)
+        error = res["vllm"][tp, "wrong_slice"]
+        if tp == 2:  # rank r stored the other rank's K rows
+            assert isinstance(error, str) and "k_proj" in error
+        else:  # one rank: the other "slice" is the same rows
+            assert not isinstance(error, str)
+
+
+# ---- single-process checks --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
+    from hybridrl.rollout.base import weight_fingerprint as fp
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=g).to(dtype)
+    base = fp(x)
+    assert fp(x.clone()) == base and base.dtype == torch.int64 and base.dim() == 0
+    words = x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    for element in (0, 5, 16 * 24 - 1):
+        for bit in range(words.element_size() * 8):
+            y = words.clone()
+            y.view(-1)[element] ^= (1 << bit) if bit < words.element_size() * 8 - 1 else -(1 << bit)
+            assert fp(y.view(dtype)) != base, (element, bit)
+    square = x[:16]
+    rearranged = {"rows swapped": x[[1, 0] + list(range(2, 24))], "halves swapped": torch.cat(x.chunk(2, 1)[::-1], 1),
+                  "wrong slice": torch.cat([x[1:], x[:1]]), "transposed": square.t().contiguous(), "zeroed": x * 0}
+    for what, y in rearranged.items():
+        assert fp(y) != (fp(square) if what == "transposed" else base), what
+    strided = x.view(12, 2, 16)[:, 0]  # a view and its copy: same bits in the same order
+    assert fp(strided) == fp(strided.contiguous()) and fp(x[:, 3:9]) == fp(x[:, 3:9].contiguous())
+
+
+def test_shard_parts_are_the_slices_read_shard_takes():
+    """hf_convert.shard_parts' views of a shard hold exactly the HF regions it names."""
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.rollout.base import hf_region
+
+    spec = GPTSpec(num_layers=1, hidden_size=32, num_attention_heads=8, num_key_value_heads=4, intermediate_size=24,
+                   vocab_size=300, max_position_embeddings=16, qkv_bias=True, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(1)
+    hf = {n: torch.randn(s, generator=g) for n, s in hc.hf_shapes(spec).items()}
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            for _, name in hc.stage_names(spec, 1, 0):
+                shard = hc.read_shard(name, hc.DictReader(hf), spec, tp, rank)
+                parts = hc.shard_parts(name, shard, spec, tp, rank)
+                assert [n for n, _, _ in parts] == list(hc.hf_sources(name, spec))
+                for hf_name, view, region in parts:
+                    want = hf_region(hf[hf_name], region)
+                    assert view.numel() == want.numel() and torch.equal(view.reshape(want.shape), want), \
+                        (tp, rank, hf_name)
+                    assert view.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()  # a view, not a copy
+
+
+def test_lean_tp_merge_equals_hf_convert_merge(monkeypatch):
+    """reshard's merges in the reused buffers give hf_convert.merge_tp's layout for every split kind."""
+    from hybridrl import reshard
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.gpt import GPTSpec
+
+    spec = GPTSpec(num_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, intermediate_size=6,
+                   vocab_size=8, max_position_embeddings=4)
+    g = torch.Generator().manual_seed(0)
+    for name, shape in (("decoder.layers.0.mlp.linear_fc1.weight", (6, 8)),
+                        ("decoder.layers.0.self_attention.linear_qkv.weight", (12, 8)),
+                        ("decoder.layers.0.mlp.linear_fc2.weight", (8, 3))):
+        shards = [torch.randn(shape, generator=g) for _ in range(2)]
+        # a stand-in all-gather: rank-order concatenation along dim 0, as the collective does
+        monkeypatch.setattr(reshard, "_all_gather_single", lambda out, shard, group: out.copy_(
+            torch.cat(shards)))
+        staging = reshard._Staging([name], spec, 2, 1 << 20, torch.float32, "cpu")
+        groups = types.SimpleNamespace(tp=2, tp_group=None)
+        merged = reshard._gather_tp(name, shards[0], groups, staging, staging.take)
+        assert torch.equal(merged, hc.merge_tp(name, shards)), name
 
 
 def test_live_tensor_meter_counts_storages_not_views():
@@ -191,22 +422,6 @@ def test_live_tensor_meter_counts_storages_not_views():
         c = b.clone()                   # 2 KiB new while b is alive (a is gone)
         del b, c
     assert meter.peak == 2048 + 2048 and meter.current == 0
-
-
-def test_lean_tp_merge_equals_hf_convert_merge(monkeypatch):
-    """reshard's in-buffer TP merges give hf_convert.merge_tp's layout for every split kind."""
-    from hybridrl import reshard
-    from hybridrl.models import hf_convert as hc
-
-    g = torch.Generator().manual_seed(0)
-    for name, shape in (("decoder.layers.0.mlp.linear_fc1.weight", (12, 5)),
-                        ("decoder.layers.0.self_attention.linear_qkv.weight", (8, 5)),
-                        ("decoder.layers.0.mlp.linear_fc2.weight", (5, 6))):
-        shards = [torch.randn(shape, generator=g) for _ in range(2)]
-        # a stand-in all-gather: rank-order concatenation along dim 0, as the collective does
-        monkeypatch.setattr(reshard, "_all_gather_single", lambda out, shard, group: out.copy_(torch.cat(shards)))
-        merged = reshard._gather_tp(name, shards[0], types.SimpleNamespace(tp=2, tp_group=None))
-        assert torch.equal(merged, hc.merge_tp(name, shards)), name
 
 
 def _join_cases():

@@ -5,7 +5,7 @@ vLLM is not installed here, so these tests check the adapter's own side: what it
 vLLM's documented `LLM` methods (sleep / wake_up / collective_rpc / reset_prefix_cache). The fake
 `vllm` module and `_FakeLLM` below only record calls; no numerics are taken from them. The adapter's
 weight path is also exercised on the real stream in test_reshard.py
-(test_vllm_adapter_receives_the_native_stream).
+(test_vllm_worker_reads_back_its_own_layout).
 """
 import sys
 import types
@@ -169,17 +169,33 @@ def test_engine_arguments_and_temporary_folder(version, mode):
     assert existed and not exists_after  # the config-only folder goes with the engine
 
 
-def test_worker_side_load_checksums_what_arrived():
-    from hybridrl.rollout.base import weight_checksum
+def test_worker_reads_back_its_parameters_not_what_arrived():
+    """The worker digests what its model stored (read from its parameters), not the tensors it was given."""
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.rollout.base import weight_checksum, weight_fingerprint
 
-    seen = []
-    model = types.SimpleNamespace(load_weights=lambda weights: seen.extend(weights))
+    spec = GPTSpec(num_layers=1, hidden_size=4, num_attention_heads=2, num_key_value_heads=2,
+                   intermediate_size=6, vocab_size=3, tie_word_embeddings=False)
+    params = {"model.norm.weight": torch.zeros(4), "lm_head.weight": torch.zeros(64, 4)}
+
+    def load_weights(weights):  # stores the norm, and the head's rows one too low (a broken loader)
+        for name, t in weights:
+            if name == "lm_head.weight":
+                params[name][1:4].copy_(t)
+            else:
+                params[name].copy_(t)
+
+    model = types.SimpleNamespace(load_weights=load_weights, named_parameters=lambda: iter(params.items()))
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
-    bucket = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.arange(6.0).reshape(2, 3))]
-    got = vllm_adapter.load_weights_on_worker(worker, bucket)
-    assert [n for n, _ in seen] == ["model.norm.weight", "lm_head.weight"]
-    assert got == {n: weight_checksum(t) for n, t in bucket}
-    assert got["lm_head.weight"] != weight_checksum(torch.arange(6.0).reshape(3, 2))  # shape is part of it
+    bucket = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.arange(12.0).reshape(3, 4))]
+    got = vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "fingerprint")
+    assert got["model.norm.weight"].region is None
+    assert got["model.norm.weight"].digest == weight_fingerprint(torch.arange(4.0))
+    assert got["lm_head.weight"].region == (0, 0, 3)  # vocab rows of this rank, padding excluded
+    assert got["lm_head.weight"].digest != weight_fingerprint(bucket[1][1])  # what it stored, not what came
+    exact = vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "exact")
+    assert exact["model.norm.weight"].digest == weight_checksum(torch.arange(4.0))
+    assert vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "off") == {}
 
 
 def test_dummy_folder_describes_the_spec(tmp_path):

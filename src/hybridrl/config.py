@@ -285,6 +285,8 @@ class RolloutConfig:
     """TP of the inference engine (may differ from training TP)."""
     update_weights_bucket_mb: int = 64
     """Size of one weight bucket streamed into the engine."""
+    verify_weights: str = "fingerprint"
+    """Weight-sync check of what the engine stored: fingerprint (on device), exact (host hash), off."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
     enforce_eager: bool = False
@@ -305,6 +307,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _check(self.update_weights_bucket_mb > 0, "rollout.update_weights_bucket_mb must be > 0")
         _check(self.max_num_seqs >= 1, "rollout.max_num_seqs must be >= 1 (KV-cache slots of the engine)")
+        _one_of("rollout.verify_weights", self.verify_weights, ("fingerprint", "exact", "off"))
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")

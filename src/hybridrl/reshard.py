@@ -3,15 +3,19 @@
 `iter_hf_weights` walks the megatron tensors in HF order; each is broadcast from its pipeline stage,
 gathered over training TP, un-fused to HF names (`hf_convert`) and added to a bucket; buckets are
 yielded when the next tensor would overflow them, so at most one bucket plus the working set of one
-tensor is alive. `update_engine_weights` streams the buckets into `engine.load_weights`, checks the
-engine's per-tensor checksums against the sender's (the verified handoff) and measures the peak
-extra memory with `LiveTensorMeter`. `new_rollout_groups` makes the rollout-TP process groups and
-`join_requests` pools the prompts of one rollout-TP group.
+tensor is alive (a reused bucket buffer and one scratch tensor). `update_engine_weights` streams the
+buckets into `engine.load_weights`, or, where rollout TP equals training TP at PP 1, the shards
+straight into `engine.load_shards`; the engine reads back digests of the slices it stored, which
+are checked against the sender's digests of the same slices (the verified handoff).
+`new_rollout_groups` makes the rollout-TP process groups and `join_requests` pools the prompts of
+one rollout-TP group.
 Every rank of the training model replica must run the stream in lockstep (it is collective). This
-module must not know any engine's internals: the engine only sees (hf_name, tensor) pairs.
+module must not know any engine's internals: the engine sees (hf_name, tensor) pairs, or its own
+shards by megatron name when it offers `shard_layout` / `load_shards`.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -25,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import weight_state
-from hybridrl.rollout.base import weight_checksum
+from hybridrl.rollout.base import VERIFY_MODES, hf_region, weight_digest
 
 
 class HandoffError(RuntimeError):
@@ -126,65 +130,138 @@ class LiveTensorMeter(TorchDispatchMode):
 
 # ---- the weight stream -----------------------------------------------------------------------------
 
+def _full_numel(global_name: str, spec: GPTSpec, tp: int) -> int:
+    return torch.Size(hc.mcore_full_shape(global_name, spec, tp)).numel()
+
+
 def _full_bytes(global_name: str, spec: GPTSpec, tp: int, dtype: torch.dtype) -> int:
-    return torch.Size(hc.mcore_full_shape(global_name, spec, tp)).numel() * dtype.itemsize
+    return _full_numel(global_name, spec, tp) * dtype.itemsize
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _gather_tp(global_name: str, shard: torch.Tensor, groups) -> torch.Tensor:
-    """The TP-merged tensor, with at most two full-size buffers alive (gathered + merged)."""
+def _is_qkv(global_name: str) -> bool:
+    return "linear_qkv" in global_name
+
+
+def _reordered(global_name: str, tp: int) -> bool:
+    """TP shards whose rank-order concatenation is not the merged layout (row-parallel, gate/up)."""
+    return tp > 1 and (hc.tp_split_dim(global_name) == 1 or global_name.endswith("linear_fc1.weight"))
+
+
+class _Staging:
+    """The memory one stream reuses: a bucket buffer (the HF tensors of one bucket) and a scratch for
+    one full tensor that must be reordered (rank-major TP gather) or unfused (QKV) on its way in."""
+
+    def __init__(self, names, spec: GPTSpec, tp: int, bucket_bytes: int, dtype, device):
+        sizes = [_full_numel(g, spec, tp) for g in names]
+        self.bucket_elems = min(max(bucket_bytes // dtype.itemsize, max(sizes)), sum(sizes))
+        self.scratch_elems = max([n for g, n in zip(names, sizes) if _is_qkv(g) or _reordered(g, tp)], default=0)
+        self.dtype, self.device = dtype, device
+        self._bucket = self._scratch = None
+        self.used = 0
+
+    def take(self, shape) -> torch.Tensor:
+        """The next free piece of the bucket buffer, as a tensor of `shape`."""
+        if self._bucket is None:
+            self._bucket = torch.empty(self.bucket_elems, dtype=self.dtype, device=self.device)
+        n = torch.Size(shape).numel()
+        piece = self._bucket[self.used:self.used + n].view(shape)
+        self.used += n
+        return piece
+
+    def scratch(self, shape) -> torch.Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(self.scratch_elems, dtype=self.dtype, device=self.device)
+        return self._scratch[:torch.Size(shape).numel()].view(shape)
+
+
+def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging, target) -> torch.Tensor:
+    """The TP-merged tensor: gathered straight into `target(shape)`, or rank-major into the scratch
+    and reordered into `target` with one copy; the shard itself when there is nothing to gather."""
     if groups.tp == 1 or hc.tp_split_dim(global_name) is None:
         return shard
     shard = shard.contiguous()
-    out = shard.new_empty((groups.tp * shard.shape[0],) + tuple(shard.shape[1:]))
-    _all_gather_single(out, shard, group=groups.tp_group)
-    if global_name.endswith("linear_fc1.weight"):
-        # rank r holds [gate_r; up_r]; merged is [gate_0..gate_tp-1; up_0..up_tp-1]. One copy, where
-        # hc.merge_tp would allocate gate, up and their concatenation (three buffers at once)
-        return out.view(groups.tp, 2, -1, *shard.shape[1:]).transpose(0, 1).reshape(out.shape)
-    if hc.tp_split_dim(global_name) == 0:
-        return out  # rank-order concatenation along dim 0 is already the merged layout
-    return hc.merge_tp(global_name, list(out.chunk(groups.tp)))
+    tp, rest = groups.tp, tuple(shard.shape[1:])
+    full_shape = (tp * shard.shape[0],) + rest if hc.tp_split_dim(global_name) == 0 else \
+        (shard.shape[0], tp * shard.shape[1])
+    if not _reordered(global_name, tp):  # rank-order concatenation along dim 0 is the merged layout
+        out = target(full_shape)
+        _all_gather_single(out, shard, group=groups.tp_group)
+        return out
+    ranks = staging.scratch((tp * shard.shape[0],) + rest)  # gloo wants the concatenated shape
+    _all_gather_single(ranks, shard, group=groups.tp_group)
+    ranks = ranks.view((tp,) + tuple(shard.shape))
+    out = target(full_shape)
+    if global_name.endswith("linear_fc1.weight"):  # rank r holds [gate_r; up_r]: merged [gate_*; up_*]
+        out.view(2, tp, -1, *rest).copy_(ranks.view(tp, 2, -1, *rest).transpose(0, 1))
+    else:  # row-parallel: rank r holds columns [r*c, (r+1)*c)
+        out.view(shard.shape[0], tp, shard.shape[1]).copy_(ranks.transpose(0, 1))
+    return out
 
 
-def _full_tensor(global_name: str, local: dict, spec: GPTSpec, groups, dtype, device) -> torch.Tensor:
-    """Full megatron tensor on every rank: TP-gathered on its owner stage, broadcast over PP."""
+def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _Staging) -> list:
+    """(hf_name, tensor) of one megatron tensor, in the bucket buffer or as views of the parameter."""
+    qkv = _is_qkv(global_name)
+    target = staging.scratch if qkv else staging.take
     owner = hc.owner_stage(global_name, spec, groups.pp)
     if groups.pp_rank == owner:
-        full = _gather_tp(global_name, local[global_name].detach(), groups).contiguous()
+        full = _gather_tp(global_name, local[global_name].detach(), groups, staging, target)
     else:
-        full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), dtype=dtype, device=device)
+        full = target(hc.mcore_full_shape(global_name, spec, groups.tp))
     if groups.pp > 1:
         dist.broadcast(full, group=groups.pp_group, group_src=owner)
-    return full
+    parts = hc.shard_parts(global_name, full, spec, 1, 0)
+    if not qkv:
+        return [(name, view) for name, view, _ in parts]
+    out = []  # q, k and v leave megatron's per-group interleaving: one copy each into the bucket
+    for name, view, _ in parts:
+        piece = staging.take(view.shape)
+        piece.copy_(view)
+        out.append((name, piece.view(-1, *full.shape[1:])))
+    return out
 
 
 def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (hf_name, full tensor), every rank getting all of them; collective over the replica.
 
     A bucket holds whole megatron tensors (q/k/v or gate/up never straddle two buckets) whose full
-    sizes sum to <= bucket_bytes; a tensor larger than that is a bucket of its own. Drop each bucket
-    before asking for the next: the generator keeps no other reference. Tensors may be views of the
-    training parameters (TP=1 owner stage): consume them before the next optimizer step.
+    sizes sum to <= bucket_bytes; a tensor larger than that is a bucket of its own. The tensors live
+    in one reused bucket buffer (or are views of the training parameters where nothing had to move):
+    consume each bucket before asking for the next, and before the next optimizer step.
     """
     offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
     local = {hc.local_to_global(k, offset): v for k, v in weight_state(model).items()}
     sample = next(iter(local.values()))
+    names = list(hc.hf_to_mcore_name_map(spec))
+    staging = _Staging(names, spec, groups.tp, bucket_bytes, sample.dtype, sample.device)
     bucket, held = [], 0
-    for global_name in hc.hf_to_mcore_name_map(spec):
+    for global_name in names:
         size = _full_bytes(global_name, spec, groups.tp, sample.dtype)
-        if bucket and held + size > bucket_bytes:  # flush before gathering: bounds the peak
+        if bucket and held + size > bucket_bytes:
             yield bucket
-            bucket, held = [], 0
-        full = _full_tensor(global_name, local, spec, groups, sample.dtype, sample.device)
-        bucket.extend(hc.mcore_to_hf(global_name, full, spec))
-        del full  # parts that are views keep its storage; qkv parts are copies and free it
+            bucket, held, staging.used = [], 0, 0
+        bucket.extend(_hf_parts(global_name, local, spec, groups, staging))
         held += size
     if bucket:
         yield bucket
+
+
+def iter_shards(model, spec: GPTSpec, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(global megatron name, this rank's shard) at PP 1, grouped by about bucket_bytes; no copies."""
+    local = weight_state(model)
+    batch, held = [], 0
+    for _, global_name in hc.stage_names(spec, 1, 0):
+        shard = local[global_name].detach()
+        if batch and held + shard.nbytes > bucket_bytes:
+            yield batch
+            batch, held = [], 0
+        batch.append((global_name, shard))
+        held += shard.nbytes
+    if batch:
+        yield batch
 
 
 # ---- the verified handoff --------------------------------------------------------------------------
@@ -192,22 +269,30 @@ def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int) -> Iterator
 @dataclass(frozen=True)
 class HandoffReport:
     num_tensors: int
+    """HF tensors handed over."""
     num_buckets: int
     total_bytes: int
-    """Bytes of all HF tensors sent."""
+    """Bytes of all HF tensors handed over (full tensors; this rank's shards on the direct path)."""
     bucket_bytes: int
     """The bucket size asked for."""
     max_bucket_bytes: int
     """Largest bucket sent (full megatron sizes; > bucket_bytes only for a single oversized tensor)."""
     largest_tensor_bytes: int
     """Largest full (TP-merged, vocab-padded) megatron tensor."""
-    peak_extra_bytes: int
-    """Most bytes of new tensor storage alive at once during the handoff (LiveTensorMeter)."""
+    peak_extra_bytes: int | None
+    """Most bytes of new tensor storage alive at once during the handoff (LiveTensorMeter), when measured."""
     peak_cuda_extra_bytes: int
     """Same from the CUDA allocator's peak statistics; 0 without CUDA."""
     seconds: float
-    verified: bool
-    """Sender and engine checksums were compared (and agreed) for every tensor."""
+    verify: str
+    """rollout.verify_weights: fingerprint, exact or off."""
+    direct: bool
+    """Shards went straight into the engine's parameters (training TP == rollout TP, PP 1)."""
+
+    @property
+    def verified(self) -> bool:
+        """The engine's read-back digests agreed with the sender's for every tensor."""
+        return self.verify != "off"
 
     @property
     def peak_bound_bytes(self) -> int:
@@ -215,49 +300,110 @@ class HandoffReport:
         return max(self.bucket_bytes, self.max_bucket_bytes) + self.largest_tensor_bytes
 
     def metrics(self, prefix: str = "perf/weight_sync") -> dict:
-        return {f"{prefix}_s": self.seconds, f"{prefix}_bytes": self.total_bytes,
-                f"{prefix}_peak_extra_bytes": self.peak_extra_bytes, f"{prefix}_buckets": self.num_buckets}
+        out = {f"{prefix}_s": self.seconds, f"{prefix}_bytes": self.total_bytes, f"{prefix}_buckets": self.num_buckets}
+        if self.peak_extra_bytes is not None:
+            out[f"{prefix}_peak_extra_bytes"] = self.peak_extra_bytes
+        return out
 
 
-def _verify(sent: dict, received: dict) -> None:
-    for name, digest in sent.items():
+def _check(names: list, ours: list, received: dict, mode: str) -> None:
+    """The engine's read-back digest of each tensor equals the sender's (one host sync per bucket)."""
+    if mode == "fingerprint":
+        theirs = torch.stack([received[n].digest.to(ours[0].device) for n in names])
+        bad = (torch.stack(ours) != theirs).nonzero().flatten().tolist()
+    else:
+        bad = [i for i, n in enumerate(names) if received[n].digest != ours[i]]
+    if bad:
+        i = bad[0]
+        theirs_i = received[names[i]].digest
+        raise HandoffError(
+            f"engine's stored copy of {names[i]!r} (slice {received[names[i]].region}) differs from what was "
+            f"sent: {mode} sent {_show(ours[i])}, read back {_show(theirs_i)} ({len(bad)} tensors differ in "
+            f"this bucket)")
+
+
+def _show(digest) -> str:
+    return str(digest.item()) if isinstance(digest, torch.Tensor) else str(digest)
+
+
+def _received(names, received: dict) -> None:
+    for name in names:
         if name not in received:
-            raise HandoffError(f"engine did not report tensor {name!r}: it was sent but not received")
-        if received[name] != digest:
-            raise HandoffError(f"checksum mismatch for tensor {name!r}: sent {digest}, engine got {received[name]}")
+            raise HandoffError(f"engine did not report tensor {name!r}: it was sent but not stored")
 
 
-def _bucket_bytes(bucket, spec: GPTSpec, tp: int) -> int:
-    """A bucket's size as the stream counts it: the full sizes of the megatron tensors it holds."""
+def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
+    n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     to_mcore = hc.mcore_to_hf_name_map(spec)
-    return sum(_full_bytes(g, spec, tp, bucket[0][1].dtype) for g in {to_mcore[n][0] for n, _ in bucket})
+    for bucket in iter_hf_weights(model, spec, groups, bucket_bytes):
+        received = engine.load_weights(bucket, verify)
+        if verify != "off":
+            names = [n for n, _ in bucket]
+            _received(names, received)
+            ours = [weight_digest(hf_region(t, received[n].region), verify) for n, t in bucket]
+            _check(names, ours, received, verify)
+        n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
+        total += sum(t.nbytes for _, t in bucket)
+        owners = {to_mcore[n][0] for n, _ in bucket}
+        max_bucket = max(max_bucket, sum(_full_bytes(g, spec, groups.tp, bucket[0][1].dtype) for g in owners))
+        del bucket, received  # the generator refills the buffer for the next bucket
+    return n_tensors, n_buckets, total, max_bucket
+
+
+def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
+    n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
+    for batch in iter_shards(model, spec, bucket_bytes):
+        received = engine.load_shards(batch, verify)
+        parts = [(hf, view.reshape(-1) if shard.dim() == 1 else view, region) for g, shard in batch
+                 for hf, view, region in hc.shard_parts(g, shard, spec, groups.tp, groups.tp_rank)]
+        if verify != "off":
+            names = [hf for hf, _, _ in parts]
+            _received(names, received)
+            for hf, _, region in parts:
+                if received[hf].region != region:
+                    raise HandoffError(f"engine stores slice {received[hf].region} of {hf!r}; "
+                                       f"the shard sent holds {region}")
+            _check(names, [weight_digest(view, verify) for _, view, _ in parts], received, verify)
+        n_tensors, n_buckets = n_tensors + len(parts), n_buckets + 1
+        batch_bytes = sum(shard.nbytes for _, shard in batch)
+        total, max_bucket = total + batch_bytes, max(max_bucket, batch_bytes)
+    return n_tensors, n_buckets, total, max_bucket
+
+
+def takes_shards(engine, model, groups) -> bool:
+    """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1."""
+    layout = getattr(engine, "shard_layout", None)
+    dtype = next(iter(weight_state(model).values())).dtype
+    return layout is not None and groups.pp == 1 and layout() == (groups.tp, groups.tp_rank, dtype)
 
 
 def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float = 64,
-                          verify: bool = True) -> HandoffReport:
-    """Stream the training model into `engine.load_weights` bucket by bucket; verify; measure memory.
+                          verify: str = "fingerprint", measure_memory: bool = False) -> HandoffReport:
+    """Stream the training model into the engine; check what it stored against what was sent.
 
-    Collective over the training replica (every TP/PP rank calls it). With CUDA it resets the
-    allocator's peak statistics to measure the handoff's own peak.
+    Where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
+    into its parameters (no gather, no bucket); otherwise buckets of HF tensors go to
+    `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
+    compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
+    Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
+    peak of new allocations (`LiveTensorMeter`, slow: for tests and benchmarks); with CUDA the
+    allocator's peak statistics are always taken.
     """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}; use one of {VERIFY_MODES}")
     bucket_bytes = int(bucket_mb * 2**20)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated()
-    start, n_tensors, n_buckets, total, max_bucket = time.perf_counter(), 0, 0, 0, 0
-    with LiveTensorMeter() as meter:
-        for bucket in iter_hf_weights(model, spec, groups, bucket_bytes):
-            sent = {name: weight_checksum(t) for name, t in bucket} if verify else {}
-            received = engine.load_weights(bucket)
-            if verify:
-                _verify(sent, received)
-            n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
-            total += sum(t.nbytes for _, t in bucket)
-            max_bucket = max(max_bucket, _bucket_bytes(bucket, spec, groups.tp))
-            del bucket, sent, received  # the generator builds the next bucket without this one
+    direct = takes_shards(engine, model, groups)
+    send = _send_shards if direct else _send_buckets
+    start = time.perf_counter()
+    with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
+        n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
+    seconds = time.perf_counter() - start
     dtype = next(iter(weight_state(model).values())).dtype
     largest = max(_full_bytes(g, spec, groups.tp, dtype) for g in hc.hf_to_mcore_name_map(spec))
     cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if cuda else 0
-    return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest, meter.peak,
-                         cuda_peak, time.perf_counter() - start, verify)
+    return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest,
+                         meter.peak if measure_memory else None, cuda_peak, seconds, verify, direct)

@@ -312,6 +312,37 @@ def read_shard(global_name: str, reader: TensorReader, spec: GPTSpec, tp: int, t
     return fuse_gate_up(*parts) if len(parts) == 2 else parts[0]
 
 
+def shard_parts(global_name: str, shard: torch.Tensor, spec: GPTSpec, tp: int,
+                tp_rank: int) -> list[tuple[str, torch.Tensor, tuple | None]]:
+    """(hf_name, view, region) for each HF tensor held in TP rank `tp_rank`'s shard of a megatron tensor.
+
+    `view` is the part of `shard` that holds rows/columns `region` = (dim, start, stop) of that HF
+    tensor (None: all of it), in the HF element order; 2-D HF tensors keep their last dim, the
+    fused parts of a 1-D bias are N-D views. Views, never copies: writing into them fills the shard
+    (rows past the true vocabulary are padding no HF tensor covers).
+    """
+    srcs = hf_sources(global_name, spec)
+    if is_vocab_tensor(global_name):
+        per = shard.shape[0]
+        start = min(tp_rank * per, spec.vocab_size)  # a rank past the vocabulary holds only padding
+        rows = min(start + per, spec.vocab_size) - start
+        return [(srcs[0], shard[:rows], (0, start, start + rows))]
+    dim = tp_split_dim(global_name)
+    if dim is None:
+        return [(srcs[0], shard, None)]
+    if len(srcs) == 3:
+        groups, d = spec.num_key_value_heads // tp, spec.kv_channels
+        hpg = spec.num_attention_heads // spec.num_key_value_heads
+        grouped = shard.view(groups, hpg + 2, d, *shard.shape[1:])
+        q_rows, kv_rows = groups * hpg * d, groups * d
+        return [(srcs[0], grouped[:, :hpg], (0, tp_rank * q_rows, (tp_rank + 1) * q_rows)),
+                (srcs[1], grouped[:, hpg], (0, tp_rank * kv_rows, (tp_rank + 1) * kv_rows)),
+                (srcs[2], grouped[:, hpg + 1], (0, tp_rank * kv_rows, (tp_rank + 1) * kv_rows))]
+    per = shard.shape[dim] // len(srcs)
+    return [(name, shard.narrow(dim, i * per, per), (dim, tp_rank * per, (tp_rank + 1) * per))
+            for i, name in enumerate(srcs)]
+
+
 def _dtype(reader, name):
     return reader.read(name, 0, 0, 1).dtype
 

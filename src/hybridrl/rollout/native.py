@@ -24,10 +24,11 @@ from hybridrl.models.gpt import GPTSpec, build_gpt
 from hybridrl.models.hf_config import check_parallel_layout
 from hybridrl.offload import TensorStash
 from hybridrl.reshard import RolloutGroups, join_requests, new_rollout_groups
+from hybridrl.rollout.base import (RolloutOutput, SamplingParams, Stored, expand_requests, hf_region,
+                                   pack_output, weight_digest)
 from hybridrl.rollout.continuous_batching import SlotBatch
 from hybridrl.rollout.lean_decode import LeanGPT
 from hybridrl.rollout.megatron_static import generate_static
-from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output, weight_checksum
 
 
 @contextlib.contextmanager
@@ -84,57 +85,79 @@ class NativeEngine:
         self.decode, self.enforce_eager = decode, enforce_eager
         self.model = build_rollout_model(spec, self.groups, dtype)
         self.device = next(self.model.parameters()).device
-        names = [g for _, g in hc.stage_names(spec, 1, 0)]
+        self._init_weights(offload_weights_on_sleep)
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _init_weights(self, offload_weights_on_sleep: bool | None) -> None:
+        names = [g for _, g in hc.stage_names(self.spec, 1, 0)]
         state = self.model.state_dict(keep_vars=True)
         self.params = {g: state[g] for g in names}
-        self._to_mcore = hc.mcore_to_hf_name_map(spec)
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # where each HF tensor's slice lives inside the parameters (views, valid across sleep / wake)
+        self._slots = {hf: (g, view, region) for g in names for hf, view, region
+                       in hc.shard_parts(g, self.params[g], self.spec, self.groups.tp, self.groups.tp_rank)}
+        with torch.no_grad():
+            for g in names:  # megatron's vocab padding rows: zero, and no HF tensor covers them
+                if hc.is_vocab_tensor(g):
+                    self.params[g][self._slots[hc.hf_sources(g, self.spec)[0]][1].shape[0]:].zero_()
         self._loaded: set[str] = set()
         on_gpu = torch.cuda.is_available()
         self._offload_on_sleep = on_gpu if offload_weights_on_sleep is None else offload_weights_on_sleep
         self._stash: TensorStash | None = None
 
-    # ---- weights -------------------------------------------------------------------------------
+    def shard_layout(self) -> tuple:
+        """(tp, tp_rank, dtype) of the parameters: a trainer with the same layout can `load_shards`."""
+        return self.groups.tp, self.groups.tp_rank, next(iter(self.params.values())).dtype
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Copy this rank's rollout-TP slice of each megatron tensor once all its HF parts arrived.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
+        """Copy this rank's slice of each HF tensor straight into its place in the parameters.
 
-        A sleeping engine is woken first (its weights must be in place to be overwritten).
+        After the whole bucket, each slice is read back from the parameters and digested:
+        {hf_name: Stored(region, digest)}. A sleeping engine is woken first.
         """
         self.wake_up()
-        received = {}
+        placed = []
         for name, tensor in weights:
-            received[name] = weight_checksum(tensor)
-            if name == hc.HF_LM_HEAD and self.spec.tie_word_embeddings:
-                continue  # tied: the head is the embedding, which arrives under its own name
-            if name not in self._to_mcore:
+            if name not in self._slots:
                 raise KeyError(f"load_weights got {name!r}, which is not a weight of this model")
-            global_name = self._to_mcore[name][0]
-            parts = self._pending.setdefault(global_name, {})
-            parts[name] = tensor
-            if len(parts) == len(hc.hf_sources(global_name, self.spec)):
-                del self._pending[global_name]
-                self._copy_in(global_name, parts)
-        return received
+            self._copy_in(name, tensor)
+            placed.append((name, tensor.dim()))
+        return self._read_back(placed, verify)
+
+    def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
+        """Megatron tensors already at this engine's layout (`shard_layout`), by global name: copied
+        whole into the parameters, then read back per HF tensor like `load_weights`."""
+        self.wake_up()
+        placed = []
+        for global_name, shard in shards:
+            self._copy_shard(global_name, shard)
+            placed += [(hf, shard.dim()) for hf in hc.hf_sources(global_name, self.spec)]
+        return self._read_back(placed, verify)
 
     @torch.no_grad()
-    def _copy_in(self, global_name: str, parts: dict) -> None:
-        param = self.params[global_name]
-        if hc.is_vocab_tensor(global_name):
-            # rows straight into the parameter: the padded shard (often the largest tensor) is never
-            # materialised; rows past the true vocabulary are megatron's zero padding
-            rows = next(iter(parts.values()))[self.groups.tp_rank * param.shape[0]:][:param.shape[0]]
-            param[:rows.shape[0]].copy_(rows)
-            param[rows.shape[0]:].zero_()
-        else:
-            param.copy_(hc.read_shard(global_name, hc.DictReader(parts), self.spec, self.groups.tp,
-                                      self.groups.tp_rank))
-        self._loaded.add(global_name)
+    def _copy_shard(self, global_name: str, shard: torch.Tensor) -> None:
+        self.params[global_name].copy_(shard)
+        self._loaded.update(hc.hf_sources(global_name, self.spec))
+
+    @torch.no_grad()
+    def _copy_in(self, name: str, tensor: torch.Tensor) -> None:
+        _, view, region = self._slots[name]
+        view.copy_(hf_region(tensor, region).reshape(view.shape))
+        self._loaded.add(name)
+
+    def _read_back(self, placed: list, verify: str) -> dict:
+        if verify == "off":
+            return {}
+        out = {}
+        for name, hf_dim in placed:
+            _, view, region = self._slots[name]
+            out[name] = Stored(region, weight_digest(view.reshape(-1) if hf_dim == 1 else view, verify))
+        return out
 
     def _check_ready(self) -> None:
         if self._stash is not None:
             raise RuntimeError("NativeEngine is asleep: call wake_up() before generate()")
-        missing = sorted(set(self.params) - self._loaded)
+        missing = sorted(set(self._slots) - self._loaded)
         if missing:
             raise RuntimeError(f"NativeEngine weights not loaded: {missing[:3]} ({len(missing)} tensors); "
                                "stream the model in with reshard.update_engine_weights first")

@@ -10,8 +10,9 @@ when the trainer streams the weights in; the config-only model folder is removed
 Build it while the training state is offloaded: vLLM's worker refuses to start with less than
 `gpu_memory_utilization x total` memory free. Weight updates go through
 `LLM.collective_rpc(fn, args=...)`, which calls `fn(worker, ...)` in the worker; there the model's own
-`load_weights(iterable of (HF name, full tensor))` shards them for vLLM's TP; the prefix cache is
-reset after every load (cached KV blocks were computed with the old weights).
+`load_weights(iterable of (HF name, full tensor))` shards them for vLLM's TP; the slice each rank
+stored is then read back from the model's parameters and digested (`vllm_layout` knows where vLLM
+keeps each HF tensor), and the prefix cache is reset after every load (cached KV blocks were computed with the old weights).
 Sampling uses one request per (prompt, sample) with the per-sample seed from `base.sample_seed`,
 `n=1`, `logprobs=0` (the sampled token's log-prob), and every eos id as a stop token.
 Log-probs: from vLLM 0.10.2 the engine is built with `logprobs_mode="processed_logprobs"`, the
@@ -32,12 +33,14 @@ import weakref
 from typing import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hybridrl.config import RolloutConfig
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_config import hf_config_from_spec
 from hybridrl.reshard import join_requests, new_rollout_groups
-from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output, weight_checksum
+from hybridrl.rollout.base import RolloutOutput, SamplingParams, Stored, expand_requests, pack_output, weight_digest
+from hybridrl.rollout.vllm_layout import stored_slice
 
 MIN_VLLM_VERSION = (0, 10, 0, 1)
 PROCESSED_LOGPROBS_VERSION = (0, 10, 2, 0)  # first release with LLM(logprobs_mode=...)
@@ -70,12 +73,20 @@ def import_vllm():
     return vllm
 
 
-def load_weights_on_worker(worker, weights) -> dict:
-    """Runs inside the vLLM worker (via collective_rpc): checksum what arrived, then load it."""
+def load_weights_on_worker(worker, weights, spec: GPTSpec, tp: int, tp_rank: int, verify: str) -> dict:
+    """Runs inside the vLLM worker (via collective_rpc): load, then read each HF tensor's slice back
+    from the model's own parameters (`vllm_layout`) and digest it: {hf_name: Stored}."""
     weights = list(weights)
-    received = {name: weight_checksum(t) for name, t in weights}
-    worker.model_runner.model.load_weights(weights=iter(weights))
-    return received
+    model = worker.model_runner.model
+    model.load_weights(weights=iter(weights))
+    if verify == "off":
+        return {}
+    params = dict(model.named_parameters())
+    out = {}
+    for name, tensor in weights:
+        view, region = stored_slice(name, params, spec, tp, tp_rank)
+        out[name] = Stored(region, weight_digest(view.reshape(-1) if tensor.dim() == 1 else view, verify))
+    return out
 
 
 def dummy_model_folder(spec: GPTSpec, dtype: str = "bfloat16") -> str:
@@ -100,13 +111,14 @@ class VLLMEngine:
                  eos_id: int | Sequence[int] | None = None, model_path: str | None = None,
                  dtype: str = "bfloat16", max_model_len: int | None = None, load_format: str = "dummy",
                  llm=None, **llm_kwargs):
-        self.pad_id, self.groups, self._asleep = pad_id, None, set()
+        self.spec, self.pad_id, self.groups, self._asleep = spec, pad_id, None, set()
         self.eos_ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self._warned: set = set()
-        if llm is not None:
-            self.llm, self.vllm = llm, None
-            return
         cfg = cfg or RolloutConfig(name="vllm")
+        if llm is not None:  # an LLM built elsewhere (tests); one process without torch.distributed is TP 1
+            self.llm, self.vllm = llm, None
+            self.groups = new_rollout_groups(cfg.tensor_model_parallel_size) if dist.is_initialized() else None
+            return
         self.vllm = import_vllm()
         if _version_tuple(self.vllm.__version__) >= PROCESSED_LOGPROBS_VERSION:
             llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
@@ -175,16 +187,18 @@ class VLLMEngine:
         return pack_output(tokens, log_probs, sampling.max_new_tokens, self.pad_id,
                            {"rollout/generated_tokens": sum(len(t) for t in tokens)})
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """One bucket into the (single, in-process) worker; returns the worker's checksums.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
+        """One bucket into the (single, in-process) worker; returns its read-back digests.
 
         Wakes only the weights of a sleeping engine first (the KV cache stays freed until generate);
         afterwards the prefix cache is reset, since its blocks hold keys/values of the old weights.
         """
         self.wake_up(["weights"])
-        results = self.llm.collective_rpc(load_weights_on_worker, args=(list(weights),))
+        tp, tp_rank = (self.groups.tp, self.groups.tp_rank) if self.groups is not None else (1, 0)
+        args = (list(weights), self.spec, tp, tp_rank, verify)
+        stored = self.llm.collective_rpc(load_weights_on_worker, args=args)[0]
         self.llm.reset_prefix_cache()
-        return results[0]
+        return stored
 
     def sleep(self) -> None:
         """Level 1: weights to host memory, KV cache discarded."""
