@@ -96,31 +96,42 @@ def grad_tensors(model) -> list[torch.Tensor]:
     return out
 
 
-def _torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside megatron's wrappers (ChainedOptimizer -> MegatronOptimizer -> torch)."""
+def _optimizer_levels(optimizer) -> list:
+    """Every object of an optimizer's wrapper chain: hybridrl's role optimizer -> megatron's
+    (ChainedOptimizer -> its chained optimizers) -> the torch optimizer at the bottom."""
     if optimizer is None:
         return []
-    if hasattr(optimizer, "chained_optimizers"):
-        return [o for inner in optimizer.chained_optimizers for o in _torch_optimizers(inner)]
-    inner = getattr(optimizer, "optimizer", None)
-    return [inner] if inner is not None and not isinstance(optimizer, torch.optim.Optimizer) else [optimizer]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:  # ChainedOptimizer.optimizer asserts a single member: never read it here
+        return [optimizer] + [level for inner in chained for level in _optimizer_levels(inner)]
+    return [optimizer] + _optimizer_levels(getattr(optimizer, "optimizer", None))
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """Optimizer state tensors plus megatron's fp32 main copies of half-precision parameters."""
+    """Optimizer state tensors plus megatron's fp32 main copies of half-precision parameters, found
+    at whatever level of the wrapper chain holds them (pass the role's optimizer as it is)."""
     out = []
-    for opt in _torch_optimizers(optimizer):
-        for state in opt.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    wrappers = [optimizer] + list(getattr(optimizer, "chained_optimizers", []) or [])
-    for w in wrappers:
+    for level in _optimizer_levels(optimizer):
+        if isinstance(level, torch.optim.Optimizer):
+            for state in level.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
-            out += [t for group in getattr(w, attr, None) or [] for t in group]
+            out += [t for group in getattr(level, attr, None) or [] for t in group]
     return out
 
 
+PARTS = ("params", "grads", "optimizer")
+
+
 class Offloader:
-    """Offload / onload one role's model (chunks), grads and optimizer per an `OffloadConfig`."""
+    """Offload / onload one role's model (chunks), grads and optimizer per an `OffloadConfig`.
+
+    `place(on_device)` keeps the parts named there on the device and moves every other part its
+    config offloads to host memory. A storage reachable from two parts (fp32 parameters that an
+    optimizer also lists) belongs to the first of params, grads, optimizer and moves with it.
+    """
 
     def __init__(self, model, optimizer=None, config: OffloadConfig = OffloadConfig()):
         self.model, self.optimizer, self.config = model, optimizer, config
@@ -130,20 +141,62 @@ class Offloader:
     def offloaded(self) -> bool:
         return bool(self._stashes)
 
+    def _tensors(self, part: str) -> list:
+        if part == "optimizer":
+            return optimizer_tensors(self.optimizer)
+        return (param_tensors if part == "params" else grad_tensors)(self.model)
+
+    def place(self, on_device=PARTS) -> dict:
+        """Onload the parts in `on_device`, offload the other configured ones; {"offload/<part>_bytes": n}
+        of the parts that moved out now."""
+        moved = {}
+        for part in PARTS:
+            if part in on_device or not getattr(self.config, part):
+                stash = self._stashes.pop(part, None)
+                if stash is not None:
+                    stash.restore()
+        for i, part in enumerate(PARTS):
+            if part in on_device or not getattr(self.config, part) or part in self._stashes:
+                continue
+            owned = {id(t.untyped_storage()) for p in PARTS[:i] for t in self._tensors(p)}
+            self._stashes[part] = TensorStash(self._tensors(part), skip=owned)
+            moved[f"offload/{part}_bytes"] = self._stashes[part].nbytes
+        return moved
+
     def offload(self) -> dict:
-        """Move the configured parts to host memory; returns {"offload/<part>_bytes": n}. Idempotent."""
-        if self.offloaded:
-            return {}
-        seen: set = set()  # a storage reachable from two roles (fp32 params in the optimizer) moves once
-        parts = (("params", self.config.params, param_tensors, self.model),
-                 ("grads", self.config.grads, grad_tensors, self.model),
-                 ("optimizer", self.config.optimizer, optimizer_tensors, self.optimizer))
-        for name, wanted, collect, owner in parts:
-            if wanted and owner is not None:
-                self._stashes[name] = TensorStash(collect(owner), skip=seen)
-        return {f"offload/{name}_bytes": s.nbytes for name, s in self._stashes.items()}
+        """Every configured part to host memory. Idempotent."""
+        return self.place(())
 
     def onload(self) -> None:
-        for stash in self._stashes.values():
-            stash.restore()
-        self._stashes = {}
+        self.place(PARTS)
+
+
+# ---- the hybrid-engine schedule ---------------------------------------------------------------------
+
+HYBRID_PHASES = {
+    "gen": {},
+    "reward": {"reward_model": ("params",)},
+    "old_log_prob": {"actor": ("params",)},
+    "ref": {"ref": ("params",)},
+    "values": {"critic": ("params",)},
+    "update_critic": {"critic": PARTS},
+    "update_actor": {"actor": PARTS},
+    "update_weights": {"actor": ("params",)},
+    "checkpoint": {"actor": PARTS, "critic": PARTS},
+}
+"""What each phase of a step (trainer timer names) needs on the device, per role. Everything else a
+role's offload flags name stays in host memory: an idle role keeps only what its flags leave, so
+the weight sync holds the actor's weights (not its grads and Adam states) beside the engine's.
+`hybridrl.planner` builds its per-phase memory estimate from the same table."""
+
+
+class PhaseOffload:
+    """Moves each role's state to where `HYBRID_PHASES` wants it as the trainer enters a phase."""
+
+    def __init__(self, offloaders: dict):
+        self.offloaders = {role: o for role, o in offloaders.items() if o is not None}
+
+    def enter(self, phase: str) -> None:
+        needs = HYBRID_PHASES[phase]
+        for role, offloader in self.offloaders.items():
+            offloader.place(needs.get(role, ()))

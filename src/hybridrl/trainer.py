@@ -10,7 +10,6 @@ dynamic_sampling.py (DAPO), validation.py (verl's val-core metrics).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Dict
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from hybridrl import algos
 from hybridrl.config import Config
 from hybridrl.dynamic_sampling import sample_filtered
-from hybridrl.offload import Offloader
+from hybridrl.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rewards.overlong import overlong_penalty
 from hybridrl.rewards.registry import combine_scores
@@ -47,9 +46,12 @@ class PPOTrainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timer = StageTimer()
-        self.offloaders = [Offloader(w.engine.module, w.optimizer.optimizer, off) for w, off in
-                           ((self.actor, cfg.actor.offload), (self.critic, cfg.critic.offload))
-                           if w is not None and (off.params or off.grads or off.optimizer)]
+        # hybrid engine: each phase keeps on the device only what it needs (offload.HYBRID_PHASES)
+        self.hybrid = PhaseOffload({"actor": Offloader(self.actor.engine.module, self.actor.optimizer, cfg.actor.offload),
+                                    "critic": self.critic and Offloader(self.critic.engine.module,
+                                                                        self.critic.optimizer, cfg.critic.offload),
+                                    "ref": self.ref and self.ref.offloader,
+                                    "reward_model": roles.reward_model and roles.reward_model.offloader})
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self, prompts, step: int, update: bool = True, next_prompts=None) -> Dict[str, float]:
@@ -59,23 +61,28 @@ class PPOTrainer:
         step_start = time.perf_counter()
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts)
         with t("old_log_prob"):
+            self.hybrid.enter("old_log_prob")
             batch["old_log_probs"], entropy = self.actor.compute_log_prob(
                 batch, cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
         if self.ref is not None:
-            with t("ref"), self.on_device(self.ref):
+            with t("ref"):
+                self.hybrid.enter("ref")
                 batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)
         if self.critic is not None:
             with t("values"):
+                self.hybrid.enter("values")
                 batch["values"] = self.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
         with t("adv"):
             metrics = self.compute_advantages(batch, scores)
         metrics.update(sample_metrics)
         if self.critic is not None:
             with t("update_critic"):
+                self.hybrid.enter("update_critic")
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
                                                          apply=update))
         if step > cfg.trainer.critic_warmup or self.critic is None:
             with t("update_actor"):
+                self.hybrid.enter("update_actor")
                 metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
                                                         apply=update))
         if update:
@@ -85,19 +92,6 @@ class PPOTrainer:
         metrics.update(self.rollout_metrics(batch, entropy))
         metrics.update(t.metrics())
         return metrics
-
-    @contextlib.contextmanager
-    def on_device(self, worker):
-        """ref.offload_params / reward_model.offload_params: a frozen role lives on the host except
-        while it computes."""
-        offloader = worker.offloader
-        if offloader is not None:
-            offloader.onload()
-        try:
-            yield
-        finally:
-            if offloader is not None:
-                offloader.offload()
 
     def train_sampling(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -114,17 +108,14 @@ class PPOTrainer:
         source, R = is_rollout_source(self.groups), self.cfg.data.max_response_length
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)] if source else []
         seeds = prompt_seeds(sampling.seed, step, prompts.index) if source else []
-        for offloader in self.offloaders:  # hybrid engine: training state leaves the device
-            offloader.offload()
+        self.hybrid.enter("gen")  # hybrid engine: the idle training state leaves the device
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM's sleep-mode pool allocates outside torch's cache
-        with self.timer("generate_sequences"):  # the engine's window, between offload and onload
+        with self.timer("generate_sequences"):  # the engine's window, once the idle state is offloaded
             self.rollout.wake_up()
             out = self.rollout.generate(ids, sampling, seeds)
             if self.cfg.rollout.free_cache_engine:
                 self.rollout.sleep()
-        for offloader in self.offloaders:
-            offloader.onload()
         mine = None
         if source:
             device = self.groups.device
@@ -172,8 +163,8 @@ class PPOTrainer:
             rule = _finite(rule, "reward function").to(self.groups.device, torch.float32)
         raw = rule
         if rm is not None:
-            with self.on_device(rm):
-                batch["rm_scores"] = _finite(rm.compute_rm_score(batch, rep(prompts.messages), texts), "reward model")
+            self.hybrid.enter("reward")
+            batch["rm_scores"] = _finite(rm.compute_rm_score(batch, rep(prompts.messages), texts), "reward model")
             raw = combine_scores(rule, batch["rm_scores"], combine).to(self.groups.device)
         buffer = self.cfg.reward.overlong_buffer
         if not buffer.enable:
@@ -220,11 +211,15 @@ class PPOTrainer:
         out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
         return out
 
-    def sync_rollout_weights(self) -> None:
+    def sync_rollout_weights(self):
+        """The actor's weights into the engine, grads and optimizer states offloaded (idle until the
+        next update): the sync holds two weight copies and one bucket."""
         from hybridrl.reshard import update_engine_weights
 
-        update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
-                              self.cfg.rollout.update_weights_bucket_mb)
+        self.hybrid.enter("update_weights")
+        r = self.cfg.rollout
+        return update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
+                                     r.update_weights_bucket_mb, verify=r.verify_weights)
 
     # ---- validation -----------------------------------------------------------------------
     def val_sampling(self) -> SamplingParams:

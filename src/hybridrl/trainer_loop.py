@@ -138,6 +138,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
             profile_steps.append(metrics)
         saver.poll()
         if tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total):
+            trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
             _save(saver, trainer, train_loader, step)
         bar.update(1)
     saver.finalize()
@@ -156,6 +157,7 @@ def _resume(trainer, path, loader) -> int:
     """Load the run's state from a published checkpoint folder (None: a fresh start); returns its step."""
     if path is None:
         return 0
+    trainer.hybrid.enter("checkpoint")  # loaded in place: every trainable state on the device
     meta = load_checkpoint(path, _trainable(trainer.roles), _layout(trainer.groups))
     loader.load_state_dict(meta["data"])
     trainer.kl_ctrl.value = meta["kl_coef"]
@@ -213,6 +215,7 @@ def _export_hf(trainer, folder: str) -> None:
     from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, save_hf
     from hybridrl.models.hf_config import load_hf_config
 
+    trainer.hybrid.enter("checkpoint")
     stream = mcore_to_hf_stream(trainer.actor.engine.module, trainer.roles.spec, trainer.groups)
     save_hf(folder, stream, load_hf_config(trainer.roles.hf_folder))
     print0(f"exported the actor to {folder}")
