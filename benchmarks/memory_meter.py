@@ -105,7 +105,7 @@ def run_steps(config_path: str, overrides: list, offload: bool, steps: int = 2) 
     _, tokenizer, layout, groups, loader, _ = _setup(cfg)
     roles = build_roles(cfg, groups, tokenizer, steps)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)
-    trainer.rollout._offload_on_sleep = offload  # what NativeEngine does by default on a GPU
+    trainer.rollout.offload_weights_on_sleep = offload  # what NativeEngine does by default on a GPU
     _work_around_cpu_bug()
     trainer.sync_rollout_weights()
     meter = PhaseMeter(trainer)

@@ -126,3 +126,72 @@ def test_megatron_ddp_buffers_offload_and_stay_views():
     # params and grads live in DDP's two contiguous buffers; each is moved once, whole
     assert res["moved"]["offload/params_bytes"] + res["moved"]["offload/grads_bytes"] == res["buffer_bytes"]
     assert res["moved"]["offload/optimizer_bytes"] > 0
+
+
+def test_place_keeps_a_phase_s_parts_and_offloads_the_idle_ones():
+    """PhaseOffload's step: the parts a phase needs come back, the other configured ones leave."""
+    model, opt = _tiny_model_and_optimizer()
+    groups = {"params": param_tensors(model), "grads": grad_tensors(model), "optimizer": optimizer_tensors(opt)}
+    snap = _snapshot([t for ts in groups.values() for t in ts])
+    off = Offloader(model, opt, OffloadConfig(params=True, grads=True, optimizer=True))
+    for on_device in [("params",), (), ("params", "grads", "optimizer"), ("params",)]:
+        off.place(on_device)
+        held = off.device_bytes()
+        for part, tensors in groups.items():
+            assert all((t.untyped_storage().nbytes() > 0) == (part in on_device) for t in tensors), (on_device, part)
+            assert held[part] == (_storage_bytes(tensors) if part in on_device else 0)
+    off.onload()
+    _assert_restored(snap)
+
+
+@pytest.mark.parametrize("mode", ["fingerprint", "exact"])
+def test_a_verified_parameter_can_still_be_offloaded(mode):
+    """The handoff digests the training parameters on both ends; on CPU a digest that pinned their
+    storage (Tensor.numpy() marks it non-resizable) made the next offload fail."""
+    from hybridrl.rollout.base import weight_digest
+
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    want = p.detach().clone()
+    weight_digest(p, mode)
+    weight_digest(p[3:], mode)
+    stash = TensorStash([p])
+    assert p.untyped_storage().nbytes() == 0
+    stash.restore()
+    assert torch.equal(p, want)
+
+
+def _mixed_precision(cls, attr: str, n: int):
+    """A megatron mixed-precision optimizer holding fp32 master copies under `attr`, with Adam state.
+    Its constructor needs CUDA (it type-checks torch.cuda tensors); the attributes set here are the
+    ones it sets (optimizer.py / distrib_optimizer.py in megatron-core 0.16)."""
+    masters = [torch.randn(n, requires_grad=True)]
+    adam = torch.optim.Adam(masters)
+    masters[0].grad = torch.ones(n)
+    adam.step()
+    opt = cls.__new__(cls)
+    opt.optimizer = adam
+    setattr(opt, attr, [masters])
+    return opt, masters[0]
+
+
+def test_optimizer_offload_finds_fp32_master_copies_through_the_role_wrapper():
+    """bf16 training keeps 4 of Adam's 12 B/param in megatron's fp32 master copies; the role hands its
+    own wrapper (workers.optim.MegatronOptimizer around megatron's ChainedOptimizer) to the offload."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params
+
+    from hybridrl.workers.optim import MegatronOptimizer
+
+    dense, dense_master = _mixed_precision(Float16OptimizerWithFloat16Params, "fp32_from_float16_groups", 6)
+    sharded, sharded_master = _mixed_precision(DistributedOptimizer, "shard_fp32_from_float16_groups", 10)
+    role = MegatronOptimizer.__new__(MegatronOptimizer)
+    role.optimizer = ChainedOptimizer([dense, sharded])
+    found = {id(t.untyped_storage()) for t in optimizer_tensors(role)}
+    adam_states = [v for o in (dense, sharded) for s in o.optimizer.state.values() for v in s.values()]
+    assert {id(dense_master.untyped_storage()), id(sharded_master.untyped_storage())} <= found
+    assert {id(t.untyped_storage()) for t in adam_states} <= found
+    off = Offloader(torch.nn.Linear(1, 1), role, OffloadConfig(optimizer=True))
+    off.offload()
+    assert dense_master.untyped_storage().nbytes() == sharded_master.untyped_storage().nbytes() == 0
+    off.onload()
+    assert dense_master.untyped_storage().nbytes() == 6 * 4

@@ -207,6 +207,78 @@ def test_native_kv_cache_counts_the_engine_slots():
         assert (p.kv_cache.bytes, p.kv_cache.sequences_needed) == (per_seq * expect, expect)
 
 
+# --- planned states vs what a real trainer holds, phase by phase ----------------------------------
+
+PHASE_CALLS = {"rollout": ("rollout", "generate"), "actor log-prob": ("actor", "compute_log_prob"),
+               "ref log-prob": ("ref", "compute_log_prob"), "critic values": ("critic", "compute_values"),
+               "critic update": ("critic", "update_critic"), "actor update": ("actor", "update_policy"),
+               "weight sync": ("rollout", "load_shards")}
+"""The call each planner phase is measured in: the trainer has entered the phase when it runs."""
+
+
+def _held_per_phase(offload: bool) -> tuple:
+    """Two GAE steps with a reference (KL in the reward) of the tiny config, every offload flag set to
+    `offload`; at each phase's call, the bytes of each role's storages on the device (step 2)."""
+    import tempfile
+
+    from hybridrl.config_io import load_config
+    from hybridrl.planner import STATE_KINDS
+    from hybridrl.rewards import RewardManager
+    from hybridrl.roles import build_roles
+    from hybridrl.trainer import PPOTrainer
+    from hybridrl.trainer_loop import _setup
+
+    tmp, on = tempfile.mkdtemp(), str(offload).lower()
+    cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [
+        f"data.train_files=[{tmp}/train.parquet]", f"data.val_files=[{tmp}/test.parquet]", "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "rollout.n=2", "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true", f"ref.offload_params={on}", "rollout.free_cache_engine=true"]
+        + [f"{role}.offload.{part}={on}" for role in ("actor", "critic") for part in ("params", "grads", "optimizer")])
+    _, tokenizer, layout, groups, loader, _ = _setup(cfg)
+    roles = build_roles(cfg, groups, tokenizer, 2)
+    trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)
+    trainer.rollout.offload_weights_on_sleep = True  # as on a GPU: the sleeping engine leaves the device
+    held = {}
+
+    def now() -> dict:
+        out = {f"{k.split('/')[0]}/{STATE_KINDS[k.split('/')[1]]}": n for k, n in trainer.hybrid.device_bytes().items()}
+        out["rollout/engine_weights"] = sum(p.untyped_storage().nbytes() for p in trainer.rollout.params.values())
+        return out
+
+    def measure(phase, fn):
+        def wrapped(*args, **kwargs):  # the most of each consumer before and after (a load wakes the engine)
+            before = now()
+            out = fn(*args, **kwargs)
+            held[phase] = {k: max(n, before[k]) for k, n in now().items()}
+            return out
+        return wrapped
+
+    for phase, (owner, method) in PHASE_CALLS.items():
+        obj = trainer.rollout if owner == "rollout" else getattr(roles, owner)
+        setattr(obj, method, measure(phase, getattr(obj, method)))
+    trainer.sync_rollout_weights()
+    batches = iter(loader)
+    for step in (1, 2):  # Adam states exist from the first update on
+        trainer.train_step(next(batches), step)
+    return cfg, roles.spec.vocab_size, held
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("offload", [True, False])
+def test_planned_states_are_what_the_trainer_holds_in_each_phase(offload):
+    """Per phase, the weights, grads and Adam states of every role and the engine's weights that the
+    planner counts are the bytes the trainer keeps on the device (AdamW's step counters aside)."""
+    cfg, vocab, held = run_distributed(_held_per_phase, 1, offload)[0]
+    planned = estimate(cfg, 1, vocab)
+    assert [p.name for p in planned.phases] == list(PHASE_CALLS)  # the trainer's phases, in its order
+    for phase in planned.phases:
+        for consumer, measured in held[phase.name].items():
+            assert phase.bytes(consumer) == pytest.approx(measured, rel=0.01, abs=1024), (phase.name, consumer)
+    if offload:  # grads and Adam states idle off the device outside the updates, the sync included
+        assert held["weight sync"]["actor/grads"] == held["actor log-prob"]["actor/optimizer"] == 0
+        assert held["weight sync"]["actor/weights"] > 0 and held["weight sync"]["rollout/engine_weights"] > 0
+
+
 # --- refusals and the command line ----------------------------------------------------------------
 
 def _size_config(name, *overrides):

@@ -163,6 +163,16 @@ class Offloader:
             moved[f"offload/{part}_bytes"] = self._stashes[part].nbytes
         return moved
 
+    def device_bytes(self) -> dict:
+        """{part: bytes of its storages on the device now} (offloaded storages hold none); a storage
+        reachable from two parts counts for the first, as in `place`."""
+        seen, out = set(), {}
+        for part in PARTS:
+            storages = {id(t.untyped_storage()): t.untyped_storage() for t in self._tensors(part)}
+            out[part] = sum(st.nbytes() for key, st in storages.items() if key not in seen)
+            seen |= storages.keys()
+        return out
+
     def offload(self) -> dict:
         """Every configured part to host memory. Idempotent."""
         return self.place(())
@@ -200,3 +210,7 @@ class PhaseOffload:
         needs = HYBRID_PHASES[phase]
         for role, offloader in self.offloaders.items():
             offloader.place(needs.get(role, ()))
+
+    def device_bytes(self) -> dict:
+        """{"<role>/<part>": bytes on the device now} over the roles."""
+        return {f"{role}/{part}": n for role, o in self.offloaders.items() for part, n in o.device_bytes().items()}

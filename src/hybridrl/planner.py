@@ -7,15 +7,17 @@ group, estimates memory per GPU for every phase of a hybrid-engine step, and rai
 It creates no process groups and touches no GPU; the formulas live in `hybridrl.planner_memory`.
 
 Hybrid engine: actor, critic, reference and rollout engine share every GPU and run one after the
-other, so the peak is the maximum over phases (rollout, log-probs, critic update, actor update),
-not the sum; the critic's value forward is smaller than its update and not listed. A role that is
-idle in a phase keeps on the GPU only what its offload flags leave there (`actor.offload.*`,
-`critic.offload.*`, `ref.offload_params`); a role at work has all of its state on the GPU. The
-vLLM pool (`rollout.gpu_memory_utilization` of the GPU: engine weights at rollout TP + KV cache)
-is held during rollout, and during training too when `rollout.free_cache_engine` is false. Every
-phase adds a fixed runtime overhead (CUDA context, NCCL buffers, allocator slack). Each phase is
-evaluated on the first pipeline stage (embedding, most in-flight micro batches) and the last
-(head, logits); the worse one is reported.
+other, so the peak is the maximum over phases, not the sum. The phases are the trainer's, in its
+order: rollout, actor log-prob, ref log-prob, critic values, critic update, actor update, weight
+sync (and checkpoint when saving). In each, a role holds what `offload.HYBRID_PHASES` (the table
+the trainer moves state by) needs there, plus whatever its offload flags leave on the device
+(`actor.offload.*`, `critic.offload.*`, `ref.offload_params`). The rollout engine holds its weights
+(and KV cache, or vLLM's `rollout.gpu_memory_utilization` pool) while generating and its weights in
+the weight sync, beside the stream's bucket; in training phases nothing once it sleeps
+(`rollout.free_cache_engine`), else its weights or whole pool. Every phase adds a fixed runtime
+overhead (CUDA context, NCCL buffers, allocator slack). Each phase is evaluated on the first
+pipeline stage (embedding, most in-flight micro batches) and the last (head, logits); the worse
+one is reported.
 With reward_model.enable a "reward model" phase scores the responses; elsewhere its weights stay on
 the GPU unless `reward_model.offload_params`.
 """
@@ -27,8 +29,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from hybridrl import planner_memory as mem
-from hybridrl.config import Config, ConfigError
+from hybridrl.config import Config, ConfigError, OffloadConfig
 from hybridrl.layout import Layout, derive_layout
+from hybridrl.offload import HYBRID_PHASES, PARTS
 
 GIB = mem.GIB
 RUNTIME_OVERHEAD_GIB = 2.0
@@ -146,57 +149,100 @@ def _states(ctx: _Ctx, stage: int, critic: bool) -> dict:
     return mem.training_state_bytes(n, ctx.dtype, ctx.layout.dp, ctx.cfg.parallel.use_distributed_optimizer)
 
 
-def _idle(role: str, states: dict, offload) -> List[Tuple[str, float]]:
-    """What an idle actor/critic keeps on the GPU: each state not offloaded by its flag."""
-    kept = {"weights": not offload.params, "grads": not offload.grads, "optimizer": not offload.optimizer}
-    return [(f"{role}/{kind}", b) for kind, b in states.items() if kept[kind]]
+STATE_KINDS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
+"""offload part -> the planner's consumer kind."""
 
 
-def _background(ctx: _Ctx, stage: int, busy: str) -> List[Tuple[str, float]]:
-    """Consumers of the roles not running in this phase, plus the runtime overhead."""
-    cfg = ctx.cfg
-    items = [("runtime/overhead", RUNTIME_OVERHEAD_GIB * GIB)]
-    if busy != "actor":
-        items += _idle("actor", _states(ctx, stage, False), cfg.actor.offload)
-    if busy != "critic" and cfg.algorithm.uses_critic:
-        items += _idle("critic", _states(ctx, stage, True), cfg.critic.offload)
-    if busy != "ref" and ctx.uses_ref and not cfg.ref.offload_params:
-        items.append(("ref/weights", _states(ctx, stage, False)["weights"]))
-    if busy != "reward_model" and ctx.rm_arch is not None and not cfg.reward_model.offload_params:
-        items.append(("reward_model/weights", _reward_model_weights(ctx, stage)))
-    if busy != "rollout" and cfg.rollout.name == "vllm" and not cfg.rollout.free_cache_engine:
-        items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
+def _roles(ctx: _Ctx) -> dict:
+    """{role: (its OffloadConfig, critic trunk?)} of the trainable and frozen roles this config runs."""
+    cfg, roles = ctx.cfg, {"actor": (ctx.cfg.actor.offload, False)}
+    if cfg.algorithm.uses_critic:
+        roles["critic"] = (cfg.critic.offload, True)
+    if ctx.uses_ref:
+        roles["ref"] = (OffloadConfig(params=cfg.ref.offload_params), False)
+    if ctx.rm_arch is not None:
+        roles["reward_model"] = (OffloadConfig(params=cfg.reward_model.offload_params), True)
+    return roles
+
+
+def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
+    """What each role holds on the GPU in trainer phase `phase`: the parts `offload.HYBRID_PHASES`
+    needs there, plus every part its offload flags leave on the device (frozen roles have weights only)."""
+    items = []
+    for role, (offload, critic) in _roles(ctx).items():
+        needed = HYBRID_PHASES[phase].get(role, ())
+        if role == "reward_model":
+            states = {"weights": _reward_model_weights(ctx, stage)}
+        else:
+            states = _states(ctx, stage, critic)
+        parts = ("params",) if role in ("ref", "reward_model") else PARTS
+        items += [(f"{role}/{STATE_KINDS[part]}", states[STATE_KINDS[part]]) for part in parts
+                  if part in needed or not getattr(offload, part)]
     return items
+
+
+def _engine_weights(ctx: _Ctx) -> float:
+    """The rollout engine's own weight copy on one GPU: all layers at rollout TP, PP 1 (the native
+    engine is a megatron model with its padded vocabulary; vLLM's padding to 64 rows is negligible)."""
+    rtp, e = ctx.layout.rollout_tp, mem.BYTES_PER_ELEMENT[ctx.dtype]
+    if ctx.cfg.rollout.name == "native":
+        return mem.stage_params(ctx.arch, rtp, 1, 0) * e
+    return mem.total_params(ctx.arch) * e / rtp
+
+
+def _engine_idle(ctx: _Ctx) -> List[Tuple[str, float]]:
+    """What the engine keeps during training phases: nothing once it sleeps (free_cache_engine; the
+    native engine moves its weights off the GPU then), else its weights / vLLM's whole pool."""
+    cfg = ctx.cfg
+    if cfg.rollout.free_cache_engine:
+        return []
+    if cfg.rollout.name == "vllm":
+        return [("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes)]
+    return [("rollout/engine_weights", _engine_weights(ctx))]
+
+
+def _base(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
+    """Runtime overhead and the role states of a phase; the engine's idle share outside its phases."""
+    items = [("runtime/overhead", RUNTIME_OVERHEAD_GIB * GIB)] + _role_states(ctx, stage, phase)
+    return items + ([] if phase in ("gen", "update_weights") else _engine_idle(ctx))
 
 
 def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
     cfg, lay = ctx.cfg, ctx.layout
-    items = _background(ctx, stage, "rollout")
+    items = _base(ctx, stage, "gen")
     if cfg.rollout.name == "vllm":
         items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
-        items.append(("rollout/weight_sync_bucket", cfg.rollout.update_weights_bucket_mb * 2 ** 20))
     else:  # the native engine holds its own copy (all layers, rollout TP, PP 1) and a KV cache of its slots
-        rtp = lay.rollout_tp
-        items.append(("rollout/engine_weights", mem.total_params(ctx.arch) * mem.BYTES_PER_ELEMENT[ctx.dtype] / rtp))
-        kv = mem.kv_bytes_per_token(ctx.arch, rtp, 1, ctx.dtype) * ctx.seq
+        items.append(("rollout/engine_weights", _engine_weights(ctx)))
+        kv = mem.kv_bytes_per_token(ctx.arch, lay.rollout_tp, 1, ctx.dtype) * ctx.seq
         items.append(("rollout/kv_cache", kv * _native_slots(ctx)))
     return Phase("rollout", stage, tuple(items))
 
 
+def _weight_sync_phase(ctx: _Ctx, stage: int) -> Phase:
+    """The handoff: the actor's weights, the engine's woken weights (vLLM wakes only those), and the
+    stream's buffers: one bucket plus one full tensor, none where shards go straight into the engine."""
+    cfg, lay = ctx.cfg, ctx.layout
+    items = _base(ctx, stage, "update_weights") + (_engine_idle(ctx) or [("rollout/engine_weights", _engine_weights(ctx))])
+    direct = cfg.rollout.name == "native" and lay.rollout_tp == lay.tp and lay.pp == 1
+    if not direct:
+        largest = mem.largest_tensor_params(ctx.arch, lay.tp) * mem.BYTES_PER_ELEMENT[ctx.dtype]
+        bucket = min(cfg.rollout.update_weights_bucket_mb * 2 ** 20, _engine_weights(ctx) * lay.rollout_tp)
+        items.append(("rollout/weight_sync_buffers", bucket + largest))
+    return Phase("weight sync", stage, tuple(items))
+
+
 def _forward_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
-    """Log-probs of the actor (old) or the reference: weights plus one micro batch's forward."""
-    micro = (ctx.cfg.actor if role == "actor" else ctx.cfg.ref).log_prob_micro_batch_size_per_gpu
-    items = _background(ctx, stage, role)
-    states = _states(ctx, stage, False)
-    if role == "actor":  # its grads and optimizer states stay wherever its offload flags put them
-        items.append(("actor/weights", states["weights"]))
-        items += [item for item in _idle("actor", states, ctx.cfg.actor.offload) if item[0] != "actor/weights"]
-    else:
-        items.append(("ref/weights", states["weights"]))
+    """A forward without grad: the actor's old log-probs, the reference's, or the critic's values."""
+    rcfg = getattr(ctx.cfg, role)
+    micro = rcfg.ppo_micro_batch_size_per_gpu if role == "critic" else rcfg.log_prob_micro_batch_size_per_gpu
+    phase = {"actor": "old_log_prob", "ref": "ref", "critic": "values"}[role]
+    items = _base(ctx, stage, phase)
     last = stage == ctx.layout.pp - 1
-    forward = mem.forward_bytes(ctx.arch, ctx.seq, micro, ctx.layout.tp, ctx.dtype, last_stage=last)
+    forward = mem.forward_bytes(ctx.arch, ctx.seq, micro, ctx.layout.tp, ctx.dtype, last_stage=last,
+                                scalar_head=role == "critic")
     items.append((f"{role}/forward", forward))
-    return Phase(f"{role} log-prob", stage, tuple(items))
+    return Phase(f"{role} values" if role == "critic" else f"{role} log-prob", stage, tuple(items))
 
 
 def _reward_model_arch(cfg: Config, actor: mem.Arch) -> Optional[mem.Arch]:
@@ -217,21 +263,20 @@ def _reward_model_weights(ctx: _Ctx, stage: int) -> float:
 def _reward_model_phase(ctx: _Ctx, stage: int) -> Phase:
     """The reward model scoring: its weights plus one micro batch's forward (a scalar head, no logits)."""
     rm = ctx.cfg.reward_model
-    items = _background(ctx, stage, "reward_model") + [("reward_model/weights", _reward_model_weights(ctx, stage))]
+    items = _base(ctx, stage, "reward")
     forward = mem.forward_bytes(ctx.rm_arch, rm.max_length or ctx.seq, rm.micro_batch_size_per_gpu, ctx.layout.tp,
                                 ctx.dtype, last_stage=stage == ctx.layout.pp - 1, scalar_head=True)
     return Phase("reward model", stage, tuple(items + [("reward_model/forward", forward)]))
 
 
 def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
-    """One role's optimizer step: all its states, its saved activations, the rest in background."""
+    """One role's optimizer step: all its states, its saved activations, the others per their flags."""
     critic = role == "critic"
     rcfg = ctx.cfg.critic if critic else ctx.cfg.actor
     lay, micro = ctx.layout, rcfg.ppo_micro_batch_size_per_gpu
     mini = lay.critic_mini_batch_samples if critic else lay.actor_mini_batch_samples
     in_flight = min(lay.pp - stage, mini // (lay.dp * micro))
-    items = _background(ctx, stage, role)
-    items += [(f"{role}/{k}", b) for k, b in _states(ctx, stage, critic).items()]
+    items = _base(ctx, stage, f"update_{role}")
     acts = mem.stage_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.pp, in_flight,
                                       ctx.cfg.parallel.recompute_activations, ctx.dtype)
     items.append((f"{role}/activations", acts))
@@ -242,6 +287,7 @@ def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
 
 
 def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
+    """The phases of one step in the trainer's order (PPOTrainer.train_step, then the weight sync)."""
     phases = [_rollout_phase(ctx, stage)]
     if ctx.rm_arch is not None:
         phases.append(_reward_model_phase(ctx, stage))
@@ -249,8 +295,10 @@ def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
     if ctx.uses_ref:
         phases.append(_forward_phase(ctx, stage, "ref"))
     if ctx.cfg.algorithm.uses_critic:
-        phases.append(_update_phase(ctx, stage, "critic"))
-    phases.append(_update_phase(ctx, stage, "actor"))
+        phases += [_forward_phase(ctx, stage, "critic"), _update_phase(ctx, stage, "critic")]
+    phases += [_update_phase(ctx, stage, "actor"), _weight_sync_phase(ctx, stage)]
+    if ctx.cfg.trainer.save_freq > 0:  # saving needs every trainable state on the device at once
+        phases.append(Phase("checkpoint", stage, tuple(_base(ctx, stage, "checkpoint"))))
     return phases
 
 
@@ -325,18 +373,18 @@ def plan(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int =
 def advice(consumer: str, phase: str, cfg: Config) -> str:
     """The config changes that shrink `consumer` in `phase`, most effective first."""
     role, kind = consumer.split("/", 1)
-    during_rollout = phase == "rollout"
+    idle = not phase.startswith(role) and not (phase == "weight sync" and consumer == "actor/weights")
     more_mp = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"
     fixes = []
     if kind == "optimizer":
         if not cfg.parallel.use_distributed_optimizer:
             fixes.append("set parallel.use_distributed_optimizer=true")
-        fixes += [f"set {role}.offload.optimizer=true"] if during_rollout else []
+        fixes += [f"set {role}.offload.optimizer=true"] if idle else []
         fixes += [more_mp, "or use more nodes (a larger DP shards the distributed optimizer further)"]
     elif kind in ("weights", "grads"):
         if role in ("ref", "reward_model"):
             fixes.append(f"set {role}.offload_params=true")
-        elif during_rollout:
+        elif idle:
             fixes.append(f"set {role}.offload.{'params' if kind == 'weights' else 'grads'}=true")
         fixes.append(more_mp)
     elif kind in ("activations", "logits", "value_head"):
@@ -351,6 +399,12 @@ def advice(consumer: str, phase: str, cfg: Config) -> str:
                   "offload the idle training state during rollout (actor.offload.params/grads/optimizer=true)"]
         if not cfg.rollout.free_cache_engine:
             fixes.insert(0, "set rollout.free_cache_engine=true")
+    elif kind == "engine_weights":
+        fixes += ["raise rollout.tensor_model_parallel_size"]
+        fixes += [] if cfg.rollout.free_cache_engine else ["set rollout.free_cache_engine=true"]
+    elif kind == "weight_sync_buffers":
+        fixes += ["lower rollout.update_weights_bucket_mb", "set rollout.tensor_model_parallel_size equal to "
+                  "parallel.tensor_model_parallel_size at PP 1 (shards go straight into the engine)"]
     elif kind == "kv_cache":
         fixes += ["use rollout.name=vllm", "lower data.train_batch_size or rollout.n", more_mp]
     else:

@@ -161,6 +161,14 @@ def forward_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, last_st
     return layer_activation_bytes(arch, seq, micro, tp, dtype) + head
 
 
+def largest_tensor_params(arch: Arch, tp: int) -> int:
+    """Elements of the largest full (TP-merged) megatron tensor: the padded embedding / head, fused
+    QKV, fused gate/up or down projection; the weight stream's working set holds one of them."""
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    h, f = arch.hidden_size, arch.intermediate_size
+    return max(arch.padded_vocab(tp) * h, (q + 2 * kv) * h, 2 * f * h)
+
+
 def kv_bytes_per_token(arch: Arch, tp: int, pp: int, dtype: str) -> float:
     """K and V of one token over the layers of one rank; KV heads are split over TP (replicated
     when TP exceeds them, as vLLM does)."""

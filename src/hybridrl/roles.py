@@ -131,9 +131,8 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model, _ = model_from_hf(folder, groups, dtype)
         ref = LogProbWorker(ModelEngine(_frozen(ref_model), groups), spec.vocab_size, temperature)
-        if cfg.ref.offload_params:
-            ref.offloader = Offloader(ref_model, None, OffloadConfig(params=True))
-            ref.offloader.offload()
+        ref.offloader = Offloader(ref_model, None, OffloadConfig(params=cfg.ref.offload_params))
+        ref.offloader.offload()  # ref.offload_params: on the host except in its own phase
     critic = None
     if cfg.algorithm.uses_critic:
         critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, dtype, seed=cfg.model.seed, **recompute)

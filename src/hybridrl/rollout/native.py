@@ -102,7 +102,7 @@ class NativeEngine:
                     self.params[g][self._slots[hc.hf_sources(g, self.spec)[0]][1].shape[0]:].zero_()
         self._loaded: set[str] = set()
         on_gpu = torch.cuda.is_available()
-        self._offload_on_sleep = on_gpu if offload_weights_on_sleep is None else offload_weights_on_sleep
+        self.offload_weights_on_sleep = on_gpu if offload_weights_on_sleep is None else offload_weights_on_sleep
         self._stash: TensorStash | None = None
 
     def shard_layout(self) -> tuple:
@@ -164,7 +164,7 @@ class NativeEngine:
 
     def sleep(self) -> None:
         """Drop nothing that is needed; on GPU (or when asked) move the weights to host memory."""
-        if self._offload_on_sleep and self._stash is None:
+        if self.offload_weights_on_sleep and self._stash is None:
             self._stash = TensorStash(self.params.values())
 
     def wake_up(self) -> None:
