@@ -9,7 +9,7 @@ import pytest
 from hybridrl import planner_memory as mem
 from hybridrl.config_io import load_config
 from hybridrl.layout import derive_layout
-from hybridrl.planner import plan
+from hybridrl.planner import plan, two_copy_peak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
@@ -77,3 +77,13 @@ def test_size_config_gsm8k_settings(name):
     assert cfg.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
     assert (cfg.parallel.gpus_per_node, cfg.parallel.gpu_memory_gb) == (8, 80)
     assert launch_nodes(path) >= 1
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_hybrid_engine_peak_is_at_most_055_of_two_copies(name):
+    """The hybrid engine's reason to exist: one set of GPUs for training and rollout at <= 0.55x the
+    memory of keeping both resident (planned, at the config's launch size)."""
+    path = os.path.join(ROOT, "configs", name)
+    cfg = load_config(path)
+    world = intended_world(path, cfg)
+    assert plan(cfg, world).peak.total <= 0.55 * two_copy_peak(cfg, world)

@@ -314,8 +314,9 @@ def test_rollout_pool_and_kv_cache_refusals():
 
 
 def test_offload_flags_move_states_out_of_the_rollout_phase():
-    kept = estimate(_size_config("llama3_8b.yaml", "actor.offload.grads=false", "actor.offload.optimizer=false"), 8)
-    offloaded = estimate(_size_config("llama3_8b.yaml"), 8)
+    kept = estimate(_size_config("llama3_8b.yaml", "actor.offload.params=false", "actor.offload.grads=false",
+                                 "actor.offload.optimizer=false"), 8)
+    offloaded = estimate(_size_config("llama3_8b.yaml", "actor.offload.params=false"), 8)
     assert kept.phase("rollout").bytes("actor/optimizer") > 0
     assert offloaded.phase("rollout").bytes("actor/optimizer") == 0
     assert offloaded.phase("rollout").bytes("actor/weights") == kept.phase("rollout").bytes("actor/weights")

@@ -352,6 +352,20 @@ def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: i
                 mem.total_params(arch), ctx.seq, tuple(by_name.values()), kv, _notes(ctx, gpn, kv))
 
 
+def two_copy_peak(cfg: Config, world_size: int, vocab_size: int = 0) -> float:
+    """Per-GPU peak without the hybrid engine: every role's state resident in every phase (no
+    offload) plus a second inference copy held throughout (what the engine holds while generating:
+    vLLM's pool, or the native engine's weights and KV cache). The yardstick of the hybrid engine."""
+    off = OffloadConfig()
+    flat = estimate(dataclasses.replace(
+        cfg, actor=dataclasses.replace(cfg.actor, offload=off), critic=dataclasses.replace(cfg.critic, offload=off),
+        ref=dataclasses.replace(cfg.ref, offload_params=False),
+        reward_model=dataclasses.replace(cfg.reward_model, offload_params=False),
+        rollout=dataclasses.replace(cfg.rollout, free_cache_engine=False)), world_size, vocab_size)
+    training = max(p.total - p.bytes("rollout/") for p in flat.phases)
+    return training + flat.phase("rollout").bytes("rollout/")
+
+
 def plan(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int = 0) -> Plan:
     """Groups and memory estimate of `cfg` on `world_size` GPUs; PlanError when it cannot fit."""
     p = estimate(cfg, world_size, vocab_size, gpus_per_node)
