@@ -305,7 +305,9 @@ def test_activation_heavy_layout_suggests_recompute_and_micro_batch():
 
 
 def test_rollout_pool_and_kv_cache_refusals():
-    cfg = _size_config("llama3_8b.yaml", "rollout.gpu_memory_utilization=0.9")
+    # the config offloads the idle actor state; kept resident, it no longer fits beside a 0.9 pool
+    cfg = _size_config("llama3_8b.yaml", "rollout.gpu_memory_utilization=0.9", "actor.offload.params=false",
+                       "actor.offload.grads=false", "actor.offload.optimizer=false")
     with pytest.raises(PlanError, match=r"phase 'rollout'.*rollout/vllm_pool.*lower rollout.gpu_memory_utilization"):
         plan(cfg, 8)
     cfg = _size_config("qwen2_72b.yaml", "rollout.gpu_memory_utilization=0.2")
