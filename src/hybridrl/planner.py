@@ -216,6 +216,9 @@ def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
         items.append(("rollout/engine_weights", _engine_weights(ctx)))
         kv = mem.kv_bytes_per_token(ctx.arch, lay.rollout_tp, 1, ctx.dtype) * ctx.seq
         items.append(("rollout/kv_cache", kv * _native_slots(ctx)))
+        prefill = mem.forward_bytes(ctx.arch, cfg.data.max_prompt_length, _native_slots(ctx),
+                                    lay.rollout_tp, ctx.dtype)  # the prefill of a full set of slots
+        items.append(("rollout/prefill", prefill))
     return Phase("rollout", stage, tuple(items))
 
 

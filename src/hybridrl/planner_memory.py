@@ -155,10 +155,15 @@ def head_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str,
 
 def forward_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, last_stage: bool = True,
                   scalar_head: bool = False) -> float:
-    """Working memory of a forward without grad (log-probs; scores with a scalar head): about one
-    layer's tensors alive at a time, plus the logits (or the final norm) on the last pipeline stage."""
+    """Working memory of a forward without grad (log-probs, values; scores with a scalar head): nothing
+    is saved for backward, so a layer holds at most its input plus its widest intermediates (the
+    MLP's fused gate/up output and the activation of it, or attention's q/k/v and output), plus the
+    logits (or the final norm) on the last pipeline stage."""
+    e, sb = BYTES_PER_ELEMENT[dtype], seq * micro
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    widest = max(3 * arch.intermediate_size, 2 * q + 2 * kv) / tp
     head = head_activation_bytes(arch, seq, micro, tp, dtype, scalar_head) if last_stage else 0.0
-    return layer_activation_bytes(arch, seq, micro, tp, dtype) + head
+    return sb * (arch.hidden_size + widest) * e + head
 
 
 def largest_tensor_params(arch: Arch, tp: int) -> int:
