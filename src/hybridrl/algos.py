@@ -307,13 +307,21 @@ def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, resp
     clip2 = torch.minimum(losses3, clip1)
     negative = advantages < 0
     losses = torch.where(negative, clip2, clip1)
-    weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
-    if weights is not None:
-        losses = losses * weights
+    lower = masked_mean(((clip1 > losses3) & negative).to(m.dtype), m)
+    is_weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
+    return _surrogate_result(losses, losses1, losses2, log_ratio, m, lower, is_weights, agg_mode, loss_scale_factor)
+
+
+def _surrogate_result(losses: Tensor, losses1: Tensor, losses2: Tensor, log_ratio: Tensor, m: Tensor,
+                      clipfrac_lower: Tensor, is_weights: Optional[Tensor], agg_mode: str,
+                      loss_scale_factor: Optional[float]) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The aggregated loss of a clipped surrogate (times the rollout IS weights, if any) and its stats."""
+    if is_weights is not None:
+        losses = losses * is_weights
     stats = {
         "pg_clipfrac": masked_mean((losses2 > losses1).to(m.dtype), m),
         "ppo_kl": masked_mean(-log_ratio, m),
-        "pg_clipfrac_lower": masked_mean(((clip1 > losses3) & negative).to(m.dtype), m),
+        "pg_clipfrac_lower": clipfrac_lower,
     }
     return agg_loss(losses, m, agg_mode, loss_scale_factor), {k: v.detach() for k, v in stats.items()}
 
@@ -336,15 +344,10 @@ def gspo_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
     losses1 = -advantages * ratio
     losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(losses1, losses2)
-    weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
-    if weights is not None:
-        losses = losses * weights
-    stats = {
-        "pg_clipfrac": masked_mean((losses2 > losses1).to(m.dtype), m),
-        "ppo_kl": masked_mean(-log_ratio, m),
-        "pg_clipfrac_lower": torch.zeros((), dtype=m.dtype, device=m.device),
-    }
-    return agg_loss(losses, m, agg_mode, loss_scale_factor), {k: v.detach() for k, v in stats.items()}
+    no_dual_clip = torch.zeros((), dtype=m.dtype, device=m.device)
+    is_weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
+    return _surrogate_result(losses, losses1, losses2, log_ratio, m, no_dual_clip, is_weights, agg_mode,
+                             loss_scale_factor)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
