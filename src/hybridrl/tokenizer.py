@@ -1,13 +1,15 @@
 """One small tokenizer interface over HF tokenizer folders, SentencePiece models and `builtin:tiny`.
 
 `load_tokenizer(spec)` returns a `Tokenizer` with `encode`, `decode`, `apply_chat_template`,
-`pad_token_id`, `eos_token_id`, `eos_token_ids`, `vocab_size`; the rest of hybridrl uses only these.
-`eos_token_ids` are all the ids that end a response: the tokenizer's eos plus every `eos_token_id` of a
-`generation_config.json` beside it or in the model folder (Qwen2-Instruct ends turns with
-<|im_end|> and also stops on <|endoftext|>). `builtin:tiny`
-is a character-level vocabulary (digits, arithmetic signs, lowercase letters, a little
-punctuation) built with the `tokenizers` library and wrapped as an HF fast tokenizer, so it takes
-the same code path as a real HF folder; `save_tiny_tokenizer(folder)` writes it out as one.
+`continuation_text`, `pad_token_id`, `eos_token_id`, `eos_token_ids`, `vocab_size`; the rest of
+hybridrl uses only these. `eos_token_ids` are all the ids that end a response: the tokenizer's eos
+plus every `eos_token_id` of a `generation_config.json` beside it or in the model folder
+(Qwen2-Instruct ends turns with <|im_end|> and also stops on <|endoftext|>). `builtin:tiny` is a
+character-level vocabulary (digits, arithmetic signs, lowercase letters, a little punctuation) built
+with the `tokenizers` library and wrapped as an HF fast tokenizer, so it takes the same code path as
+a real HF folder; `save_tiny_tokenizer(folder)` writes it out as one. `builtin:tiny_tools` adds the
+characters of JSON tool calls and the Hermes tags (`<tool_call>`, `</tool_call>`, `<tool_response>`,
+`</tool_response>`, one token each, as in Qwen's vocabulary).
 This module never downloads anything: HF folders are loaded with local files only.
 """
 from __future__ import annotations
@@ -17,14 +19,22 @@ import os
 from typing import Dict, List, Sequence
 
 TINY_SPEC = "builtin:tiny"
+TINY_TOOLS_SPEC = "builtin:tiny_tools"
 TINY_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0, 1, 2, 3
 TINY_CHARS = "0123456789+-*/= abcdefghijklmnopqrstuvwxyz.,?!:()\n"
-# The tiny model sees the bare user text ("3+4="): the shortest prompt learns fastest.
+TINY_TOOLS_CHARS = '{}"_<>[]'
+TINY_TOOLS_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# The tiny model sees the bare user text ("3+4="): the shortest prompt learns fastest. A tool
+# message is its content between <tool_response> tags.
 TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<tool_response>{{ message['content'] }}</tool_response>"
+    "{% else %}{{ message['content'] }}{% endif %}"
     "{% if not loop.last %}\n{% endif %}{% endfor %}"
 )
-_PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+_PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+# Placeholders for rendering a conversation around the part we want (continuation_text).
+_USER_PLACEHOLDER, _ASSISTANT_PLACEHOLDER = "hybridrl user placeholder", "hybridrl assistant placeholder"
 
 
 class TokenizerError(ValueError):
@@ -80,6 +90,13 @@ class Tokenizer:
         """The conversation as text; add_generation_prompt=False renders a finished one (reward models)."""
         return plain_chat_template(messages, add_generation_prompt)
 
+    def continuation_text(self, messages: Sequence[Dict[str, str]]) -> str:
+        """The text after an assistant turn that ended with eos: `messages` (tool results, user
+        turns) rendered as the chat template does inside a conversation, then the next assistant
+        header. Multi-turn rollouts and SFT both join turns with it, so they see one layout."""
+        return "".join(f"\n{_PLAIN_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}"
+                       for m in messages) + "\nAssistant:"
+
 
 class HFTokenizer(Tokenizer):
     """An HF (fast) tokenizer; its own chat template is used when it has one."""
@@ -106,6 +123,29 @@ class HFTokenizer(Tokenizer):
         if not self.has_chat_template:
             return plain_chat_template(messages, add_generation_prompt)
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def continuation_text(self, messages: Sequence[Dict[str, str]]) -> str:
+        if not self.has_chat_template:
+            return super().continuation_text(messages)
+        head = [{"role": "user", "content": _USER_PLACEHOLDER},
+                {"role": "assistant", "content": _ASSISTANT_PLACEHOLDER}]
+        try:
+            before = self.hf.apply_chat_template(head, tokenize=False, add_generation_prompt=False)
+            after = self.hf.apply_chat_template(head + list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises its own types (e.g. "roles must alternate")
+            raise TokenizerError(f"the chat template of '{self.name}' cannot render "
+                                 f"{[m['role'] for m in messages]} messages after an assistant turn ({e}); "
+                                 "use a tokenizer whose template supports tool messages") from e
+        if not after.startswith(before) or _ASSISTANT_PLACEHOLDER not in before:
+            raise TokenizerError(f"the chat template of '{self.name}' does not render a conversation "
+                                 "incrementally (its text changes when messages are appended); multi-turn "
+                                 "rollouts need a template that does")
+        # what the template writes after an assistant message, less the eos the model wrote itself
+        closing = before[before.rindex(_ASSISTANT_PLACEHOLDER) + len(_ASSISTANT_PLACEHOLDER):]
+        eos_text = self.hf.decode([self.eos_token_id], skip_special_tokens=False)
+        if eos_text and closing.startswith(eos_text):
+            closing = closing[len(eos_text):]
+        return closing + after[len(before):]
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -140,27 +180,31 @@ class SentencePieceTokenizer(Tokenizer):
         return "".join(out + [self.sp.decode(run)])
 
 
-def build_tiny_hf_tokenizer():
-    """The builtin:tiny vocabulary as a transformers fast tokenizer (no files, no download)."""
-    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+def build_tiny_hf_tokenizer(tools: bool = False):
+    """builtin:tiny (or, with `tools`, builtin:tiny_tools) as a transformers fast tokenizer (no files,
+    no download). The tools vocabulary extends the plain one: shared characters keep their ids."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + tuple(TINY_CHARS))}
+    chars = TINY_CHARS + (TINY_TOOLS_CHARS if tools else "")
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + tuple(chars))}
     raw = RawTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     raw.normalizer = normalizers.Lowercase()  # "User" still tokenizes; decode gives "user"
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
     raw.decoder = decoders.Fuse()  # join characters without spaces
+    if tools:  # matched before the per-character split; not special, so decode keeps them
+        raw.add_tokens([AddedToken(tag, normalized=False) for tag in TINY_TOOLS_TAGS])
     hf = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>",
                                  bos_token="<bos>", unk_token="<unk>")
     hf.chat_template = TINY_CHAT_TEMPLATE
     return hf
 
 
-def save_tiny_tokenizer(folder: str) -> str:
-    """Write builtin:tiny as an HF tokenizer folder (tokenizer.json + config); returns the folder."""
+def save_tiny_tokenizer(folder: str, tools: bool = False) -> str:
+    """Write builtin:tiny (or tiny_tools) as an HF tokenizer folder (tokenizer.json + config)."""
     os.makedirs(folder, exist_ok=True)
-    build_tiny_hf_tokenizer().save_pretrained(folder)
+    build_tiny_hf_tokenizer(tools).save_pretrained(folder)
     return folder
 
 
@@ -176,8 +220,9 @@ def _load_hf_folder(folder: str) -> HFTokenizer:
 
 
 def load_tokenizer(spec: str, model_folder: str = "") -> Tokenizer:
-    """An HF tokenizer folder, a SentencePiece `.model` file, or `builtin:tiny`; the stop ids of
-    generation_config.json in the tokenizer folder and in `model_folder` join `eos_token_ids`."""
+    """An HF tokenizer folder, a SentencePiece `.model` file, `builtin:tiny` or `builtin:tiny_tools`;
+    the stop ids of generation_config.json in the tokenizer folder and in `model_folder` join
+    `eos_token_ids`."""
     tok = _load(spec)
     folder = spec if os.path.isdir(spec) else os.path.dirname(spec) if os.path.isfile(spec) else ""
     tok.extra_eos_token_ids = generation_eos_ids(folder) + generation_eos_ids(model_folder)
@@ -185,11 +230,11 @@ def load_tokenizer(spec: str, model_folder: str = "") -> Tokenizer:
 
 
 def _load(spec: str) -> Tokenizer:
-    if spec == TINY_SPEC:
-        return HFTokenizer(build_tiny_hf_tokenizer(), TINY_SPEC)
+    if spec in (TINY_SPEC, TINY_TOOLS_SPEC):
+        return HFTokenizer(build_tiny_hf_tokenizer(tools=spec == TINY_TOOLS_SPEC), spec)
     if spec.startswith("builtin:"):
-        raise TokenizerError(f"data.tokenizer='{spec}' is not a known builtin; the only one is "
-                             f"'{TINY_SPEC}'")
+        raise TokenizerError(f"data.tokenizer='{spec}' is not a known builtin; the builtins are "
+                             f"'{TINY_SPEC}' and '{TINY_TOOLS_SPEC}'")
     if os.path.isdir(spec):
         return _load_hf_folder(spec)
     if os.path.isfile(spec):
