@@ -270,6 +270,32 @@ class ValKwargsConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts: between turns the model may call tools (Hermes <tool_call> format)."""
+    max_turns: int = 3
+    """Most model turns per trajectory (verl's max_assistant_turns); calls in the last one are not run."""
+    max_tool_response_length: int = 256
+    """Characters of one tool result the model reads back; longer results are truncated."""
+    max_parallel_calls: int = 1
+    """Tool calls run per turn; further calls in the same turn are ignored."""
+    tool_timeout_s: float = 10.0
+    """A tool call running longer is abandoned and reported to the model as an error."""
+    tools: List[str] = field(default_factory=lambda: ["calculator"])
+    """Tools: built-in names (calculator) or 'package.module:function' entries, fn(**arguments) -> str."""
+
+    def __post_init__(self):
+        _check(self.max_turns >= 1, "rollout.multi_turn.max_turns must be >= 1")
+        _check(self.max_tool_response_length >= 1, "rollout.multi_turn.max_tool_response_length must be >= 1")
+        _check(self.max_parallel_calls >= 1, "rollout.multi_turn.max_parallel_calls must be >= 1")
+        _check(self.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s must be > 0")
+        for entry in self.tools:
+            _check(entry.isidentifier() or entry.count(":") == 1,
+                   f"rollout.multi_turn.tools entry {entry!r} must be a built-in name (calculator) or "
+                   "'package.module:function'")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str = "native"
     """Inference engine: native (megatron-core KV cache) or vllm."""
@@ -299,6 +325,8 @@ class RolloutConfig:
     """Sampling of validation (verl's rollout.val_kwargs)."""
     seed: int = 0
     """Sampling seed."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-calling rollouts (the agent loop)."""
 
     def __post_init__(self):
         _one_of("rollout.name", self.name, ("native", "vllm"))
@@ -518,6 +546,40 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class SFTConfig:
+    train_files: List[str] = field(default_factory=lambda: ["data/tiny_tools_sft/train.parquet"])
+    """Parquet files of chat trajectories for scripts/train_sft.py (loss on assistant tokens only)."""
+    messages_key: str = "messages"
+    """Column holding each trajectory: a list of {role, content} messages (user, assistant, tool)."""
+    max_length: int = 256
+    """Longest trajectory in tokens; longer ones are dropped (and counted)."""
+    train_batch_size: int = 32
+    """Trajectories per optimizer step, over all DP ranks."""
+    micro_batch_size_per_gpu: int = 8
+    """Trajectories per forward/backward on one DP rank."""
+    total_training_steps: int = 100
+    """Optimizer steps (0: total_epochs over the data)."""
+    total_epochs: int = 1
+    """Epochs over the data when total_training_steps is 0."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and LR schedule of the SFT run."""
+    output_dir: str = "outputs/sft/hf"
+    """HF folder (model + tokenizer) written at the end; the RL run loads it with model.path=..."""
+    shuffle: bool = True
+    """Reshuffle the trajectories every epoch (seeded by data.seed)."""
+    synthetic_task: str = ""
+    """When the train files are missing and this is set (arith_tools), generate demonstrations there."""
+
+    def __post_init__(self):
+        _check(self.max_length > 1, "sft.max_length must be > 1")
+        _check(self.train_batch_size > 0, "sft.train_batch_size must be > 0")
+        _check(self.micro_batch_size_per_gpu > 0, "sft.micro_batch_size_per_gpu must be > 0")
+        _check(self.total_training_steps >= 0, "sft.total_training_steps must be >= 0")
+        _check(bool(self.output_dir), "sft.output_dir must name the folder the model is written to")
+        _one_of("sft.synthetic_task", self.synthetic_task, ("", "arith_tools"))
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -530,3 +592,4 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)

@@ -32,6 +32,8 @@ def nearest_key(key: str) -> str:
     keys = all_keys()
     leaf = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf and "." not in key:  # a bare leaf names no section: the first in the tree (actor)
+        return same_leaf[0]
     candidates = same_leaf or keys
     return difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)[0]
 

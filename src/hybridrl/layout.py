@@ -77,14 +77,13 @@ def _check_mini_batches(role: str, mini: int, micro: int, cfg: Config, dp: int) 
     return samples
 
 
-def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missing_path: bool = False) -> Layout:
+def model_parallel_sizes(cfg: Config, world_size: int, dims: ModelDims) -> tuple[int, int, int]:
+    """(tp, pp, dp) of the training models, after checking them against the world and the model."""
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by tp ({tp}) * pp ({pp}); "
              f"launch a multiple of {tp * pp} processes or change parallel.*_model_parallel_size")
-    dp = world_size // (tp * pp)
-    dims = model_dims(cfg.model, vocab_size, allow_missing_path)
     _require(dims.num_attention_heads % tp == 0,
              f"num_attention_heads={dims.num_attention_heads} is not divisible by "
              f"parallel.tensor_model_parallel_size={tp}; pick a TP that divides the heads")
@@ -94,6 +93,12 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     _require(dims.num_layers % pp == 0,
              f"num_layers={dims.num_layers} is not divisible by parallel.pipeline_model_parallel_size={pp}; "
              f"pick a PP that divides the layers")
+    return tp, pp, world_size // (tp * pp)
+
+
+def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missing_path: bool = False) -> Layout:
+    dims = model_dims(cfg.model, vocab_size, allow_missing_path)
+    tp, pp, dp = model_parallel_sizes(cfg, world_size, dims)
     rtp = cfg.rollout.tensor_model_parallel_size
     _require(world_size % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
              f"rollout.tensor_model_parallel_size={rtp} must divide the world size ({world_size}) "
