@@ -79,10 +79,14 @@ def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> Dict[str,
 
 
 def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max_response_length,
-                  prompt_mask=None, values=None, rm_scores=None) -> Dict[str, float]:
+                  prompt_mask=None, values=None, rm_scores=None,
+                  response_attention_mask=None) -> Dict[str, float]:
     """verl's data metrics: critic/score, rewards, advantages, returns, values, response_length, and
-    critic/rm_score when a reward model scored the batch."""
-    lengths = response_mask.sum(-1).float()
+    critic/rm_score when a reward model scored the batch.
+
+    Lengths count every real response token (tool output included, as verl), the rest the loss mask."""
+    real = response_mask if response_attention_mask is None else response_attention_mask
+    lengths = real.sum(-1).float()
     out = {}
     out.update(_stats("critic/score", scores))
     if rm_scores is not None:

@@ -22,16 +22,21 @@ ROLLOUT_DTYPES = {"responses": torch.long, "response_mask": torch.float32, "roll
 
 
 def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-             response_mask: torch.Tensor, n: int, device=None) -> Dict[str, torch.Tensor]:
+             response_mask: torch.Tensor, n: int, device=None,
+             response_attention_mask: torch.Tensor | None = None) -> Dict[str, torch.Tensor]:
     """Left-padded prompts [B, P] repeated n times (prompt-major) + right-padded responses [B*n, R],
-    all on `device` (default: the responses' device)."""
+    all on `device` (default: the responses' device).
+
+    response_mask is the loss mask; response_attention_mask marks the real response tokens (None:
+    the same; multi-turn trajectories also hold tool output, real but outside the loss)."""
     device = responses.device if device is None else torch.device(device)
     responses, response_mask = responses.to(device), response_mask.to(device)
     prompts = prompt_ids.to(device).repeat_interleave(n, dim=0)
     pmask = prompt_mask.to(device).repeat_interleave(n, dim=0)
+    real = response_mask if response_attention_mask is None else response_attention_mask.to(device)
     return {
         "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": torch.cat([pmask.to(response_mask.dtype), response_mask], dim=1),
+        "attention_mask": torch.cat([pmask.to(real.dtype), real.to(real.dtype)], dim=1),
         "prompt_mask": pmask,
         "responses": responses,
         "response_mask": response_mask.float(),
@@ -44,17 +49,20 @@ def is_rollout_source(groups: ParallelGroups) -> bool:
 
 
 def broadcast_rollout(tensors: Dict[str, torch.Tensor] | None, rows: int, width: int,
-                      groups: ParallelGroups) -> Dict[str, torch.Tensor]:
+                      groups: ParallelGroups, extra: Dict[str, tuple] | None = None) -> Dict[str, torch.Tensor]:
     """The source's rollout tensors ([rows, width], `ROLLOUT_DTYPES`, on groups.device) on every rank
-    of its model replica; `tensors` is None on the other ranks."""
+    of its model replica; `tensors` is None on the other ranks. `extra` names further entries as
+    key -> (shape, dtype) (a multi-turn rollout's masks and counters)."""
     if groups.tp * groups.pp == 1:
         return tensors
+    specs = {key: ((rows, width), dtype) for key, dtype in ROLLOUT_DTYPES.items()}
+    specs.update(extra or {})
     out = {}
-    for key, dtype in ROLLOUT_DTYPES.items():
+    for key, (shape, dtype) in specs.items():
         if tensors is not None:
             t = tensors[key].to(device=groups.device, dtype=dtype).contiguous()
         else:
-            t = torch.empty((rows, width), dtype=dtype, device=groups.device)
+            t = torch.empty(shape, dtype=dtype, device=groups.device)
         dist.broadcast(t, group=groups.mp_group, group_src=0)
         out[key] = t
     return out

@@ -23,6 +23,7 @@ from hybridrl.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rewards.overlong import overlong_penalty
 from hybridrl.rewards.registry import combine_scores
+from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
 from hybridrl.validation import metrics_from_samples
@@ -46,6 +47,7 @@ class PPOTrainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timer = StageTimer()
+        self.agent_loop = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
         # hybrid engine: each phase keeps on the device only what it needs (offload.HYBRID_PHASES)
         self.hybrid = PhaseOffload({"actor": Offloader(self.actor.engine.module, self.actor.optimizer, cfg.actor.offload),
                                     "critic": self.critic and Offloader(self.critic.engine.module,
@@ -113,19 +115,26 @@ class PPOTrainer:
             torch.cuda.empty_cache()  # vLLM's sleep-mode pool allocates outside torch's cache
         with self.timer("generate_sequences"):  # the engine's window, once the idle state is offloaded
             self.rollout.wake_up()
-            out = self.rollout.generate(ids, sampling, seeds)
+            if self.agent_loop is not None:  # multi-turn: trajectories of model turns and tool results
+                out = self.agent_loop.generate(self.rollout, ids, sampling, seeds)
+            else:
+                out = self.rollout.generate(ids, sampling, seeds)
             if self.cfg.rollout.free_cache_engine:
                 self.rollout.sleep()
+        rows, device = len(prompts) * sampling.n, self.groups.device
         mine = None
         if source:
-            device = self.groups.device
             mine = {"responses": pad_columns(out.responses.to(device), R, self.tok.pad_token_id),
                     "response_mask": pad_columns(out.response_mask.to(device, torch.float32), R, 0.0),
                     "rollout_log_probs": pad_columns(out.log_probs.to(device, torch.float32), R, 0.0)}
-        rollout = broadcast_rollout(mine, len(prompts) * sampling.n, R, self.groups)
+            if self.agent_loop is not None:
+                mine.update(trajectory_fields(out, R, device))
+        extra = trajectory_shapes(rows, R) if self.agent_loop is not None else None
+        rollout = broadcast_rollout(mine, rows, R, self.groups, extra)
         batch = assemble(prompts.input_ids, prompts.attention_mask, rollout["responses"], rollout["response_mask"],
-                         sampling.n, self.groups.device)
+                         sampling.n, device, rollout.get("attention_mask"))
         batch["rollout_log_probs"] = rollout["rollout_log_probs"]
+        batch.update({k: rollout[k] for k in (extra or {}) if k != "attention_mask"})
         return batch
 
     def sample(self, prompts, step: int, next_prompts=None):
@@ -148,17 +157,20 @@ class PPOTrainer:
     def score_details(self, batch, prompts, n: int, use_reward_model: bool = True):
         """(scores, scores before overlong shaping, the rule reward's extra values per response).
 
-        Rule scores of the decoded responses; with a reward model (training only) its scores, kept in
-        batch["rm_scores"], replace them or are added to them (reward_model.combine); then DAPO's
-        overlong penalty (reward.overlong_buffer) when enabled. Scores are on the run's device."""
+        Rule scores of the decoded responses (of a multi-turn trajectory, its final model turn: the
+        answer); with a reward model (training only) its scores, kept in batch["rm_scores"], replace
+        them or are added to them (reward_model.combine); then DAPO's overlong penalty
+        (reward.overlong_buffer) when enabled. Scores are on the run's device."""
         responses = batch["responses"].cpu()  # one copy to the host
         real = batch["attention_mask"][:, -responses.shape[1]:].cpu()  # the response's real tokens (verl)
-        texts = [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(responses, real)]
+        decode = lambda masks: [self.tok.decode(r[m.bool()].tolist()) for r, m in zip(responses, masks)]
+        texts = decode(real)
+        answers = decode(batch["last_turn_mask"].cpu()) if "last_turn_mask" in batch else texts
         rep = lambda xs: [x for x in xs for _ in range(n)]
         rm, combine = (self.roles.reward_model if use_reward_model else None), self.cfg.reward_model.combine
         rule, infos = None, {}
         if rm is None or combine == "add":
-            rule, infos = self.reward_fn.score_batch(texts, rep(prompts.data_source), rep(prompts.ground_truth),
+            rule, infos = self.reward_fn.score_batch(answers, rep(prompts.data_source), rep(prompts.ground_truth),
                                                      rep(prompts.extra_info))
             rule = _finite(rule, "reward function").to(self.groups.device, torch.float32)
         raw = rule
@@ -192,21 +204,23 @@ class PPOTrainer:
             group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo)
         batch["advantages"], batch["returns"] = local_slice(adv, g), local_slice(returns, g)
         prompt_mask = gather_dp(batch["prompt_mask"], g)
+        R = self.cfg.data.max_response_length
         rm_scores = gather_dp(batch["rm_scores"], g) if "rm_scores" in batch else None
-        metrics.update(batch_metrics(all_scores, token_rewards, adv, returns, mask,
-                                     self.cfg.data.max_response_length, prompt_mask, values, rm_scores))
+        real = gather_dp(batch["attention_mask"][:, -R:], g)
+        metrics.update(batch_metrics(all_scores, token_rewards, adv, returns, mask, R, prompt_mask, values,
+                                     rm_scores, response_attention_mask=real))
         return metrics
 
     def rollout_metrics(self, batch, entropy) -> Dict[str, float]:
         g, mask = self.groups, batch["response_mask"]
         diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
         sums = dp_sum({"tokens": batch["attention_mask"].sum().item(), "generated": mask.sum().item(),
-                       "diff": diff.sum().item(), "entropy": (entropy * mask).sum().item()}, g)
+                       "diff": diff.sum().item(), "entropy": (entropy * mask).sum().item(), **turn_sums(batch)}, g)
         generated = max(sums["generated"], 1.0)
         out = {"rollout/logprob_diff_mean": sums["diff"] / generated,
                "rollout/logprob_diff_max": gather_dp(diff.max().reshape(1), g).max().item(),
                "actor/entropy_old": sums["entropy"] / generated,
-               "perf/rollout_tokens": sums["generated"]}
+               "perf/rollout_tokens": sums["generated"], **turn_metrics(sums)}
         n_tokens = sums["tokens"]
         out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
         return out

@@ -14,6 +14,7 @@ from hybridrl.trainer import PPOTrainer, TrainingError
 
 CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
                 "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean",
+                "rollout/num_turns/mean", "rollout/tool_calls/mean", "rollout/tool_errors/mean",
                 "train/num_gen_batches", "timing_s/step")
 
 
@@ -117,7 +118,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
         writer.log(val_history[-1][1], 0, tuple(_val_core(val_history[-1][1])))
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
-    profile_steps, rewards = [], []
+    profile_steps, rewards, tool_calls = [], [], []
     for step in range(start + 1, total + 1):
         prompts = next(batches)
         try:
@@ -131,6 +132,8 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
             metrics.update(val_history[-1][1])
         metrics["training/global_step"] = step
         rewards.append(metrics["critic/score/mean"])
+        if "rollout/tool_calls/mean" in metrics:
+            tool_calls.append(metrics["rollout/tool_calls/mean"])
         console = validated or step % tc.log_freq == 0 or step == total
         writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)
         if profile:
@@ -143,7 +146,8 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
         bar.update(1)
     saver.finalize()
     bar.close()
-    _print_reward_trend(rewards)
+    _print_trend("mean reward", rewards)
+    _print_trend("tool calls per trajectory", tool_calls)
     _print_val_trend(val_history)
     if profile and profile_steps:
         _print_profile_average(profile_steps)
@@ -166,14 +170,14 @@ def _resume(trainer, path, loader) -> int:
     return int(meta["step"])
 
 
-def _print_reward_trend(rewards) -> None:
-    """The demo's headline: mean reward over the first and last 10% of this run's steps."""
-    if len(rewards) < 2:
+def _print_trend(name: str, values) -> None:
+    """The demo's headline: the mean of a metric over the first and last 10% of this run's steps."""
+    if len(values) < 2:
         return
-    k = max(1, len(rewards) // 10)
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    k = max(1, len(values) // 10)
+    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
     ratio = f"{last / first:.1f}x" if first > 0 else "from 0" if first == 0 else f"{last - first:+.3g}"
-    print0(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({ratio})")
+    print0(f"{name}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({ratio})")
 
 
 def _print_val_trend(history) -> None:

@@ -48,11 +48,15 @@ class RolloutOutput:
     responses: torch.Tensor
     """LongTensor [N*n, R], right-padded with pad_id; row i*n + j is sample j of prompt i."""
     response_mask: torch.Tensor
-    """float [N*n, R]: 1 on generated tokens (the stop token included), 0 on padding."""
+    """float [N*n, R]: 1 on generated tokens (the stop token included), 0 on padding (and on tool
+    output in a multi-turn trajectory: the loss mask)."""
     log_probs: torch.Tensor
-    """float [N*n, R]: log_softmax(logits / T)[token] of each sampled token, 0 on padding."""
+    """float [N*n, R]: log_softmax(logits / T)[token] of each sampled token, 0 elsewhere."""
     stats: dict = field(default_factory=dict)
     """Engine counters (e.g. rollout/forward_tokens, rollout/generated_tokens)."""
+    attention_mask: torch.Tensor | None = None
+    """float [N*n, R]: 1 on every real token (generated and tool output), 0 on padding; None: the
+    same as response_mask (single-turn engines)."""
 
 
 class RolloutEngine(Protocol):

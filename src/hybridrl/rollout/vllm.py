@@ -174,6 +174,8 @@ class VLLMEngine:
         # every rank of a vLLM TP group must submit the same requests
         joint, seeds, (lo, hi) = join_requests(prompt_token_ids, prompt_seeds, self.groups)
         rows = expand_requests(joint, sampling, seeds)
+        if not rows:  # e.g. an agent loop's later turn once every trajectory of the group is done
+            return pack_output([], [], sampling.max_new_tokens, self.pad_id, {"rollout/generated_tokens": 0})
         prompts = [{"prompt_token_ids": p} for p, _ in rows]
         params = [self._sampling_params(sampling, seed) for _, seed in rows]
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
