@@ -8,7 +8,8 @@ With s = response.strip():
 So "7" scores 1.0, "7xyz" 0.8, "5" 0.3, "5xyz" 0.1, "x7" 0.0. A uniformly random policy over the
 54-token builtin:tiny vocabulary scores about 0.03 (it starts with a digit 10/54 of the time and
 rarely stops); a policy that has learned "one or two digits, then eos" scores >= 0.3 before it
-learns any addition. Pure function: no I/O, no state.
+learns any addition. `compute_exact_score` (the tool-calling task) gives 1 for exactly the right
+number and 0 otherwise, so its mean is the share of correct answers. Pure functions: no I/O, no state.
 """
 from __future__ import annotations
 
@@ -48,3 +49,8 @@ def compute_score(solution_str: str, ground_truth) -> float:
         score += SHORT_NUMBER
     correct = is_correct(s, ground_truth)
     return round(score + CORRECT if correct else score, 6)  # 0.1 + 0.7 is 0.7999... in floats
+
+
+def compute_exact_score(solution_str: str, ground_truth) -> float:
+    """1.0 when the answer is exactly the ground-truth number (surrounding whitespace aside), else 0.0."""
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0

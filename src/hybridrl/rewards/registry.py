@@ -29,6 +29,7 @@ BUILTIN_REWARDS: Dict[str, str] = {
     "HuggingFaceH4/MATH-500": "math",
     "math": "math",
     "synthetic/arith": "arith",
+    "synthetic/arith_tools": "arith_exact",
 }
 
 
@@ -45,6 +46,8 @@ def get_reward_fn(data_source: str, gsm8k_method: str = "strict") -> Callable[[s
         return math.compute_score
     if kind == "arith":
         return arith.compute_score
+    if kind == "arith_exact":
+        return arith.compute_exact_score
     raise RewardError(f"no built-in reward for data_source={data_source!r}; known: "
                       f"{', '.join(BUILTIN_REWARDS)}. For other data, write a function "
                       "fn(data_source, solution_str, ground_truth, extra_info) in a .py file and "
