@@ -1,0 +1,28 @@
+"""Command line of scripts/train_sft.py; user errors end in one `error: ...` line and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from hybridrl.config import ConfigError
+from hybridrl.entry import QUIET, user_errors
+
+
+def main(argv=None) -> int:
+    for pattern in QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    p = argparse.ArgumentParser(prog="train_sft.py", description="SFT on chat trajectories (megatron-core)")
+    p.add_argument("--config", default="configs/tiny_cpu_tools.yaml", help="YAML config file (same tree as RL)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.optim.lr=1e-5")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from hybridrl.config_io import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from hybridrl.sft.trainer import run_sft
+
+        return run_sft(cfg) or 0
+    except (ConfigError, *user_errors()) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

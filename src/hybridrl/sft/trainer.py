@@ -1,0 +1,130 @@
+"""The SFT loop: next-token cross-entropy on assistant tokens, megatron-core at any TP x PP x DP.
+
+One step: a global batch of trajectories (each DP rank its slice) -> micro-batches through the
+model engine's pipeline schedule -> one optimizer step. The loss is the mean over every assistant
+token of the global batch, so it (and the gradient) does not depend on the layout or the
+micro-batch split. The model starts from model.path (or the seeded random model of the config's
+model fields, as the RL roles do) and is written at the end as an HF folder (weights, config,
+tokenizer) that an RL run loads with model.path=<sft.output_dir>.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from hybridrl import algos
+from hybridrl.config import Config
+from hybridrl.log import print0
+from hybridrl.models.logprobs import shifted_log_probs
+from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
+from hybridrl.workers.update import finish_step
+
+
+class SFTTrainer:
+    def __init__(self, cfg: Config, groups, tokenizer, total_steps: int):
+        from hybridrl.models.hf_checkpoint import model_from_hf
+        from hybridrl.roles import _trainable, init_model_folder, training_overrides
+        from hybridrl.workers.optim import build_optimizer
+
+        self.cfg, self.groups, self.tok = cfg, groups, tokenizer
+        self.init_folder = init_model_folder(cfg, tokenizer.vocab_size)
+        model, self.spec = model_from_hf(self.init_folder, groups, cfg.model.params_dtype, **training_overrides(cfg))
+        module = _trainable(model, cfg)
+        self.engine = ModelEngine(module, groups)
+        self.optimizer = build_optimizer(module, cfg.sft.optim, groups, total_steps,
+                                         cfg.parallel.use_distributed_optimizer, model.config.params_dtype)
+
+    def _loss(self, output, mb, weight: float, n_micro: int):
+        """Mean negative log-likelihood of the assistant tokens; `weight`: the micro-batch's token share."""
+        log_probs = shifted_log_probs(output, mb["input_ids"], self.groups.tp_group, self.spec.vocab_size)
+        loss = -algos.masked_mean(log_probs, mb["loss_mask"][:, 1:])
+        # the schedule divides by n_micro and DDP averages over DP: undo both for a global token mean
+        scaled = loss * weight * n_micro * self.groups.dp
+        return scaled, {"sft/loss": loss.item() * weight, "finite": torch.isfinite(loss).item()}
+
+    def step(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        micro = split_micro_batches(batch, self.cfg.sft.micro_batch_size_per_gpu)
+        tokens = [float(mb["loss_mask"][:, 1:].sum()) for mb in micro]
+        total = max(dp_sum({"n": sum(tokens)}, self.groups)["n"], 1.0)
+        weights = iter([t / total for t in tokens])
+        self.engine.train(True)
+        self.engine.zero_grad()
+        self.optimizer.zero_grad()
+        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), False)
+        metrics = finish_step(self.engine, self.optimizer, stats, "sft")
+        metrics["sft/tokens"] = total
+        return metrics
+
+    def save(self, folder: str) -> None:
+        """Write the model (and the tokenizer, when it is an HF one) as an HF folder, replacing `folder`
+        only once the new one is complete."""
+        from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, save_hf
+        from hybridrl.models.hf_config import load_hf_config
+
+        folder = os.path.abspath(folder)
+        staging = folder + ".tmp"
+        rank0 = dist.get_rank() == 0
+        if rank0 and os.path.exists(staging):
+            shutil.rmtree(staging)
+        dist.barrier()
+        save_hf(staging, mcore_to_hf_stream(self.engine.module, self.spec, self.groups),
+                load_hf_config(self.init_folder))
+        if rank0:
+            if hasattr(self.tok, "hf"):
+                self.tok.hf.save_pretrained(staging)
+            previous = folder + ".old"
+            if os.path.exists(folder):
+                os.replace(folder, previous)
+            os.replace(staging, folder)
+            shutil.rmtree(previous, ignore_errors=True)
+        dist.barrier()
+
+
+def _setup(cfg: Config):
+    from hybridrl.data_tools import write_demonstrations
+    from hybridrl.layout import model_dims, model_parallel_sizes
+    from hybridrl.log import setup_logging
+    from hybridrl.parallel.distributed import init_distributed, init_model_parallel
+    from hybridrl.sft.data import SFTDataset, SFTLoader
+    from hybridrl.tokenizer import load_tokenizer
+
+    setup_logging()
+    le = init_distributed()
+    torch.manual_seed(cfg.trainer.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tp, pp, _ = model_parallel_sizes(cfg, le.world_size, model_dims(cfg.model, tokenizer.vocab_size))
+    groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed)
+    missing = [p for p in cfg.sft.train_files if not os.path.exists(p)]
+    if le.rank == 0 and missing and cfg.sft.synthetic_task == "arith_tools":
+        for path in missing:
+            write_demonstrations(path)
+    dist.barrier()
+    dataset = SFTDataset(cfg.sft.train_files, tokenizer, cfg.sft)
+    loader = SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, cfg.data.seed)
+    return le, tokenizer, groups, loader
+
+
+def run_sft(cfg: Config) -> int:
+    from hybridrl.metrics import MetricsWriter
+
+    le, tokenizer, groups, loader = _setup(cfg)
+    total = cfg.sft.total_training_steps or len(loader) * cfg.sft.total_epochs
+    trainer = SFTTrainer(cfg, groups, tokenizer, total)
+    tc = cfg.trainer
+    writer = MetricsWriter(tc.logger, os.path.join(tc.log_dir, tc.project_name, tc.experiment_name + "_sft"),
+                           enabled=le.rank == 0)
+    losses = []
+    for step, batch in zip(range(1, total + 1), loader):
+        metrics = trainer.step(batch)
+        losses.append(metrics["sft/loss"])
+        writer.log(metrics, step, ("sft/loss", "sft/grad_norm", "sft/lr"))
+    k = max(1, len(losses) // 10)
+    print0(f"sft loss: first {k} steps {sum(losses[:k]) / k:.4f} -> last {k} steps {sum(losses[-k:]) / k:.4f}")
+    trainer.save(cfg.sft.output_dir)
+    print0(f"saved the SFT model to {cfg.sft.output_dir} (RL: model.path={cfg.sft.output_dir})")
+    writer.close()
+    return 0
