@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from hybridrl.tokenizer import (TINY_SPEC, TokenizerError, load_tokenizer, plain_chat_template,
-                                save_tiny_tokenizer)
+from hybridrl.tokenizer import (TINY_SPEC, TINY_TOOLS_SPEC, HFTokenizer, TokenizerError, build_tiny_hf_tokenizer,
+                                load_tokenizer, plain_chat_template, save_tiny_tokenizer)
 
 USER = [{"role": "user", "content": "3+4="}]
 
@@ -181,3 +181,72 @@ def test_training_sampling_stops_on_every_eos(tmp_path):
 
     trainer = types.SimpleNamespace(cfg=Config(), tok=load_tokenizer(_qwen2_like_folder(tmp_path, [4, 2])))
     assert set(PPOTrainer.train_sampling(trainer).stop_token_ids) == {2, 4}
+
+
+# ---- builtin:tiny_tools and the text between assistant turns (multi-turn rollouts, SFT) -------------
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "23*17"}}</tool_call>'
+TOOL = [{"role": "tool", "content": "391"}]
+
+
+def test_tiny_tools_extends_tiny(tiny):
+    tools = load_tokenizer(TINY_TOOLS_SPEC)
+    assert tools.vocab_size == tiny.vocab_size + 10 + 4
+    assert tools.encode("12+3=15 ok") == tiny.encode("12+3=15 ok")  # shared characters keep their ids
+    tags = tools.encode("<tool_call></tool_call><tool_response></tool_response>")
+    assert len(tags) == 4 and min(tags) >= tiny.vocab_size + 10
+    ids = tools.encode(CALL)
+    assert len(ids) == len(CALL) - len("<tool_call></tool_call>") + 2 and 3 not in ids  # no <unk>
+    assert tools.decode(ids + [tools.eos_token_id]) == CALL
+    assert tools.apply_chat_template([{"role": "user", "content": "23*17="}]) == "23*17="
+    assert tools.continuation_text(TOOL) == "\n<tool_response>391</tool_response>"
+
+
+def test_plain_continuation_matches_the_plain_template():
+    tok = load_tokenizer(TINY_TOOLS_SPEC)
+    tok.has_chat_template = False
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}] + TOOL
+    assert plain_chat_template(turns[:1]) + " a" + tok.continuation_text(TOOL) == plain_chat_template(turns)
+
+
+# Qwen2.5's layout, in short: tool results go back inside one user turn, between <tool_response> tags.
+QWEN_LIKE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + m['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _qwen_like(template=QWEN_LIKE) -> HFTokenizer:
+    hf = build_tiny_hf_tokenizer(tools=True)
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.eos_token = "<|im_end|>"
+    hf.chat_template = template
+    return HFTokenizer(hf, "qwen-like")
+
+
+@pytest.mark.parametrize("results", [TOOL, TOOL + [{"role": "tool", "content": "error: division by zero"}]])
+def test_continuation_is_what_the_template_renders_after_the_turn(results):
+    tok = _qwen_like()
+    user = [{"role": "user", "content": "23*17="}]
+    conversation = user + [{"role": "assistant", "content": CALL}] + results
+    full = tok.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    # the prompt, the model's turn and its eos, then the continuation: the template's own rendering
+    ids = (tok.encode(tok.apply_chat_template(user)) + tok.encode(CALL) + [tok.eos_token_id]
+           + tok.encode(tok.continuation_text(results)))
+    assert ids == tok.encode(full)
+    assert tok.continuation_text(results).endswith("<|im_start|>assistant\n")
+
+
+def test_template_without_tool_messages_fails_clearly():
+    strict = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+             "{{ m['content'] }}{% endfor %}"
+    with pytest.raises(TokenizerError, match="cannot render \\['tool'\\] messages after an assistant turn"):
+        _qwen_like(strict).continuation_text(TOOL)
+    rewrites = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(TokenizerError, match="does not render a conversation incrementally"):
+        _qwen_like(rewrites).continuation_text(TOOL)

@@ -21,7 +21,7 @@ from hybridrl.data import write_prompt_parquet
 from hybridrl.rollout.tools import calculator
 
 TOOLS_SOURCE = "synthetic/arith_tools"
-MIN_OPERAND, MAX_OPERAND = 10, 99
+MIN_OPERAND, MAX_OPERAND = 32, 99  # products have four digits: the answer always has one length
 
 
 def _problems(n: int, seed: int):

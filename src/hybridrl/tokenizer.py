@@ -22,7 +22,7 @@ TINY_SPEC = "builtin:tiny"
 TINY_TOOLS_SPEC = "builtin:tiny_tools"
 TINY_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0, 1, 2, 3
 TINY_CHARS = "0123456789+-*/= abcdefghijklmnopqrstuvwxyz.,?!:()\n"
-TINY_TOOLS_CHARS = '{}"_<>[]'
+TINY_TOOLS_CHARS = '{}"_<>[]\';'  # JSON, and what tool error messages quote
 TINY_TOOLS_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 # The tiny model sees the bare user text ("3+4="): the shortest prompt learns fastest. A tool
 # message is its content between <tool_response> tags.

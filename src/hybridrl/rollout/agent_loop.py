@@ -14,8 +14,10 @@ Each turn batches all unfinished trajectories into one `engine.generate` call. T
 the single-turn rollout (`n` samples per prompt, seeds from `prompt_seeds`); later turns use one
 sample per trajectory with a seed derived from (prompt seed, sample, turn), so what is sampled
 never depends on the batch or the parallel layout. Every rank makes exactly `max_turns` calls
-(with no requests once its trajectories are done), because engines with rollout TP > 1 are
-collective over their group. Nothing here knows an engine's internals or torch.distributed.
+with the same sampling parameters (no requests once its trajectories are done), because engines
+with rollout TP > 1 decode their group's requests as one collective batch; a later turn may
+therefore decode past a trajectory's remaining room, and what does not fit is dropped. Nothing
+here knows an engine's internals or torch.distributed.
 """
 from __future__ import annotations
 
@@ -80,10 +82,10 @@ class AgentLoop:
         stats: Dict[str, float] = {}
         out = engine.generate(prompt_token_ids, sampling, prompt_seeds)
         self._add_turn(trajectories, out, 1, stops, budget, stats)
+        later = replace(sampling, n=1)  # the full budget: every rank of a rollout-TP group must agree
         for turn in range(2, self.cfg.max_turns + 1):
             active = [t for t in trajectories if not t.done]
-            width = max([budget - len(t.tokens) for t in active], default=1)
-            out = engine.generate([t.prompt + t.tokens for t in active], replace(sampling, n=1, max_new_tokens=width),
+            out = engine.generate([t.prompt + t.tokens for t in active], later,
                                   [turn_seed(t.seed, turn) for t in active])
             self._add_turn(active, out, turn, stops, budget, stats)
         return pack_trajectories(trajectories, budget, self.tok.pad_token_id, stats)

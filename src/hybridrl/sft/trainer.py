@@ -84,12 +84,25 @@ class SFTTrainer:
         dist.barrier()
 
 
-def _setup(cfg: Config):
+def sft_loader(cfg: Config, tokenizer, groups):
+    """The run's trajectories, this DP rank's slices; demonstrations are generated first (rank 0)
+    when the files are missing and sft.synthetic_task is set."""
     from hybridrl.data_tools import write_demonstrations
+    from hybridrl.sft.data import SFTDataset, SFTLoader
+
+    missing = [p for p in cfg.sft.train_files if not os.path.exists(p)]
+    if dist.get_rank() == 0 and missing and cfg.sft.synthetic_task == "arith_tools":
+        for path in missing:
+            write_demonstrations(path)
+    dist.barrier()
+    dataset = SFTDataset(cfg.sft.train_files, tokenizer, cfg.sft)
+    return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, cfg.data.seed)
+
+
+def _setup(cfg: Config):
     from hybridrl.layout import model_dims, model_parallel_sizes
     from hybridrl.log import setup_logging
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
-    from hybridrl.sft.data import SFTDataset, SFTLoader
     from hybridrl.tokenizer import load_tokenizer
 
     setup_logging()
@@ -98,14 +111,7 @@ def _setup(cfg: Config):
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tp, pp, _ = model_parallel_sizes(cfg, le.world_size, model_dims(cfg.model, tokenizer.vocab_size))
     groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed)
-    missing = [p for p in cfg.sft.train_files if not os.path.exists(p)]
-    if le.rank == 0 and missing and cfg.sft.synthetic_task == "arith_tools":
-        for path in missing:
-            write_demonstrations(path)
-    dist.barrier()
-    dataset = SFTDataset(cfg.sft.train_files, tokenizer, cfg.sft)
-    loader = SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, cfg.data.seed)
-    return le, tokenizer, groups, loader
+    return le, tokenizer, groups, sft_loader(cfg, tokenizer, groups)
 
 
 def run_sft(cfg: Config) -> int:

@@ -1,0 +1,201 @@
+"""The agent loop: trajectories of model turns and tool results, masks, counters, budget, seeds.
+
+The engine here is `ScriptedEngine`, a complete RolloutEngine whose replies are a function of the
+context text and the row's seed (what a policy is), so every branch of the loop can be driven on
+purpose. The loop against the real native engine and the trainer's log-probs is in test_sft.py,
+where a model that has learned to call the tool exists.
+"""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from hybridrl import algos
+from hybridrl.config import MultiTurnConfig
+from hybridrl.data_tools import tool_call_text
+from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, turn_metrics, turn_sums
+from hybridrl.rollout.base import SamplingParams, expand_requests, pack_output
+from hybridrl.step_batch import assemble
+from hybridrl.tokenizer import TINY_TOOLS_SPEC, load_tokenizer
+
+TOK = load_tokenizer(TINY_TOOLS_SPEC)
+EOS = TOK.eos_token_id
+
+
+class ScriptedEngine:
+    """generate() over `reply(context_text, seed) -> (text, ends_with_eos)`; log-prob of a token is
+    -(id + 1) / 1000, so a log-prob stored at the wrong position shows."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def generate(self, prompt_token_ids, sampling, prompt_seeds=None):
+        self.calls.append((len(prompt_token_ids), sampling))
+        tokens = []
+        for prompt, seed in expand_requests(prompt_token_ids, sampling, prompt_seeds):
+            text, stop = self.reply(TOK.decode(prompt, skip_special_tokens=False), seed)
+            tokens.append((TOK.encode(text) + ([EOS] if stop else []))[:sampling.max_new_tokens])
+        log_probs = [[-(t + 1) / 1000 for t in row] for row in tokens]
+        return pack_output(tokens, log_probs, sampling.max_new_tokens, TOK.pad_token_id,
+                           {"rollout/generated_tokens": sum(map(len, tokens))})
+
+    def load_weights(self, weights):
+        return {}
+
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+
+def last_tool_response(context):
+    return context.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0]
+
+
+def calls_then_copies(context, seed):
+    """The policy the demo teaches: call the calculator on the prompt, then copy its result."""
+    if "</tool_response>" in context:
+        return last_tool_response(context), True
+    return tool_call_text(context.split("=")[0]), True
+
+
+def _loop(reply, max_turns=3, **cfg):
+    engine = ScriptedEngine(reply)
+    return AgentLoop(MultiTurnConfig(enable=True, max_turns=max_turns, **cfg), TOK), engine
+
+
+def _text(ids, mask):
+    return TOK.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m], skip_special_tokens=False)
+
+
+def test_call_result_answer_in_order_with_masks():
+    loop, engine = _loop(calls_then_copies)
+    out = loop.generate(engine, [TOK.encode("23*17=")], SamplingParams(max_new_tokens=90))
+    call = TOK.encode(tool_call_text("23*17")) + [EOS]
+    result = TOK.encode("\n<tool_response>391</tool_response>")
+    answer = TOK.encode("391") + [EOS]
+    n = len(call) + len(result) + len(answer)
+    assert out.responses[0, :n].tolist() == call + result + answer
+    assert out.response_mask[0].tolist() == [1] * len(call) + [0] * len(result) + [1] * len(answer) + [0] * (90 - n)
+    assert out.attention_mask[0].tolist() == [1] * n + [0] * (90 - n)
+    assert _text(out.responses[0], out.last_turn_mask[0]) == "391<eos>"
+    expected_lp = [-(t + 1) / 1000 for t in call] + [0.0] * len(result) + [-(t + 1) / 1000 for t in answer]
+    assert torch.allclose(out.log_probs[0, :n], torch.tensor(expected_lp)) and not out.log_probs[0, n:].any()
+    assert (out.num_turns.tolist(), out.tool_calls.tolist(), out.tool_errors.tolist()) == ([2], [1], [0])
+    # every rank makes max_turns calls with one SamplingParams (collective rollout-TP groups)
+    assert [(rows, s.max_new_tokens, s.n) for rows, s in engine.calls] == [(1, 90, 1), (1, 90, 1), (0, 90, 1)]
+
+
+def test_bad_calls_become_error_messages_and_are_counted():
+    def reply(context, seed):
+        if context.count("<tool_response>") == 0:
+            return '<tool_call>{"name": "calculator", "arguments": {"expression": "2*"}}</tool_call>', True
+        if context.count("<tool_response>") == 1:
+            return '<tool_call>{"name": "search", "arguments": {}}</tool_call>', True
+        return "6", True
+
+    loop, engine = _loop(reply, max_turns=3)
+    out = loop.generate(engine, [TOK.encode("2*3=")], SamplingParams(max_new_tokens=200))
+    tool_text = _text(out.responses[0], out.attention_mask[0] - out.response_mask[0])
+    # (builtin:tiny_tools lowercases what it encodes)
+    assert "not an arithmetic expression: '2*'" in tool_text and "error: unknown tool 'search'" in tool_text
+    assert (out.num_turns.tolist(), out.tool_calls.tolist(), out.tool_errors.tolist()) == ([3], [2], [2])
+    assert _text(out.responses[0], out.last_turn_mask[0]) == "6<eos>"
+
+
+def test_calls_of_the_last_turn_and_of_cut_turns_are_not_run():
+    always_calls = lambda context, seed: (tool_call_text("1+1"), True)
+    loop, engine = _loop(always_calls, max_turns=2)
+    out = loop.generate(engine, [TOK.encode("1+1=")], SamplingParams(max_new_tokens=300))
+    assert (out.num_turns.tolist(), out.tool_calls.tolist()) == ([2], [1])
+
+    no_eos = lambda context, seed: (tool_call_text("1+1"), False)  # cut by the budget, no eos
+    loop, engine = _loop(no_eos)
+    out = loop.generate(engine, [TOK.encode("1+1=")], SamplingParams(max_new_tokens=300))
+    assert (out.num_turns.tolist(), out.tool_calls.tolist()) == ([1], [0])
+
+
+def test_budget_bounds_the_whole_trajectory():
+    call = len(TOK.encode(tool_call_text("23*17"))) + 1
+    result = len(TOK.encode("\n<tool_response>391</tool_response>"))
+    loop, engine = _loop(calls_then_copies)
+    # the result fits but leaves no room for an answer: the trajectory ends after the call (as verl)
+    out = loop.generate(engine, [TOK.encode("23*17=")], SamplingParams(max_new_tokens=call + result))
+    assert out.attention_mask.sum().item() == call and out.num_turns.tolist() == [1]
+    # one token of room after the result: the answer is cut to it
+    out = loop.generate(engine, [TOK.encode("23*17=")], SamplingParams(max_new_tokens=call + result + 1))
+    assert out.attention_mask.sum().item() == call + result + 1 and out.num_turns.tolist() == [2]
+    assert _text(out.responses[0], out.last_turn_mask[0]) == "3"
+
+
+def random_policy(context, seed):
+    """Seeded choices between calling (well or badly), answering and rambling past the budget."""
+    rng = random.Random(seed)
+    kind = rng.choice(["call", "call", "bad", "answer", "ramble"])
+    if kind == "call":
+        return tool_call_text(f"{rng.randint(1, 99)}*{rng.randint(1, 99)}"), True
+    if kind == "bad":
+        return "<tool_call>{oops</tool_call>", True
+    if kind == "answer":
+        return str(rng.randint(0, 9999)), True
+    return "7" * rng.randint(1, 150), False
+
+
+def test_trajectories_do_not_depend_on_the_batch():
+    prompts = [TOK.encode(f"{a}*{b}=") for a, b in ((12, 34), (56, 78), (90, 11), (23, 45))]
+    seeds = [101, 202, 303, 404]
+    sampling = SamplingParams(n=3, max_new_tokens=160)
+    loop, engine = _loop(random_policy, max_turns=4)
+    whole = loop.generate(engine, prompts, sampling, seeds)
+    halves = [loop.generate(engine, prompts[i:i + 2], sampling, seeds[i:i + 2]) for i in (0, 2)]
+    for name in ("responses", "response_mask", "attention_mask", "log_probs", "last_turn_mask", "num_turns",
+                 "tool_calls", "tool_errors"):
+        assert torch.equal(getattr(whole, name), torch.cat([getattr(h, name) for h in halves])), name
+    assert whole.num_turns.max() > 2 and whole.tool_errors.sum() > 0 and whole.tool_calls.sum() > whole.tool_errors.sum()
+    assert len({tuple(r) for r in whole.responses.tolist()}) >= 10  # seeds differ per (prompt, sample, turn)
+    assert all(s.max_new_tokens == 160 and s.n == 1 for _, s in engine.calls[1:4])
+
+
+def test_batch_masks_and_turn_metrics():
+    loop, engine = _loop(random_policy, max_turns=3)
+    prompts = [TOK.encode("12*34="), TOK.encode("5*6=")]
+    out = loop.generate(engine, prompts, SamplingParams(n=2, max_new_tokens=120), [7, 8])
+    R = 128
+    pad = lambda t: torch.cat([t, t.new_zeros(t.shape[0], R - t.shape[1])], dim=1)
+    prompt_ids = torch.tensor([[0, 0] + prompts[0], [0] * 4 + prompts[1]])
+    batch = assemble(prompt_ids, (prompt_ids != 0).float(), pad(out.responses), pad(out.response_mask), 2,
+                     pad(out.attention_mask))
+    batch.update(trajectory_fields(out, R))
+    P = prompt_ids.shape[1]
+    assert torch.equal(batch["attention_mask"][:, P:], pad(out.attention_mask))
+    assert torch.equal(batch["response_mask"], pad(out.response_mask))
+    assert batch["last_turn_mask"].shape == (4, R) and (batch["last_turn_mask"] <= batch["response_mask"]).all()
+    sums = turn_sums(batch)
+    metrics = turn_metrics(sums)
+    for key, counts in (("num_turns", out.num_turns), ("tool_calls", out.tool_calls), ("tool_errors", out.tool_errors)):
+        assert metrics[f"rollout/{key}/mean"] == pytest.approx(counts.double().mean().item())
+    assert turn_sums({"responses": batch["responses"]}) == {} and turn_metrics({}) == {}
+
+
+# ---- GAE across tool output: against verl 0.9.1's compute_gae_advantage_return -------------------
+
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_reference", "gae_holes_verl_0_9_1.json")
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_gae_with_holes_equals_verl(case):
+    with open(REFERENCE) as f:
+        ref = json.load(f)
+    mask = torch.tensor(ref["response_mask"], dtype=torch.float64)
+    rewards = torch.tensor(ref["token_level_rewards"], dtype=torch.float64)
+    values = torch.tensor(ref["values"], dtype=torch.float64)
+    c = ref["cases"][case]
+    adv, returns = algos.compute_gae_advantages(rewards, values, mask, c["gamma"], c["lam"])
+    expected_adv = torch.tensor(c["advantages"], dtype=torch.float64)
+    # equal where the loss reads them; hybridrl zeroes advantages outside the mask, verl leaves them
+    assert torch.allclose(adv * mask, expected_adv * mask, rtol=0, atol=1e-12)
+    assert torch.allclose(returns, torch.tensor(c["returns"], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert not (adv * (1 - mask)).any()

@@ -1,0 +1,58 @@
+"""The tool-calling demo, briefly: SFT warm-up, then GRPO with multi-turn rollouts through both scripts.
+
+The RL run's own metrics carry the multi-turn checks: the trainer's log-probs over whole trajectories
+(tool output included) equal the engine's on the model's tokens (rollout/logprob_diff_max, fp32), and
+the model keeps calling the tool. A second run at rollout TP 2 over two DP ranks samples the same
+trajectories (seeds per prompt, sample and turn; one collective batch per turn).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_helper import free_port
+from test_trainer import read_scalars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu_tools.yaml")
+
+
+def _paths(tmp, run):
+    """Data, demonstrations and the SFT model shared under `tmp`; checkpoints and events under `run`."""
+    return [f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/test.parquet]",
+            f"sft.train_files=[{tmp}/sft/train.parquet]", f"sft.output_dir={tmp}/sft_hf", "trainer.progress_bar=false",
+            f"trainer.default_local_dir={run}/ckpt", f"trainer.log_dir={run}/tb"]
+
+
+def _run(script, overrides, nproc=1, timeout=300):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                   f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    proc = subprocess.run(launcher + [os.path.join(ROOT, "scripts", script), "--config", CONFIG] + overrides,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_sft_then_multi_turn_rl(tmp_path):
+    sft = _run("train_sft.py", _paths(tmp_path, tmp_path / "sft") + ["sft.total_training_steps=60"])
+    assert "sft loss: first 6 steps" in sft and os.path.isfile(tmp_path / "sft_hf" / "model.safetensors")
+    rl = [f"model.path={tmp_path}/sft_hf", "trainer.test_freq=0", "trainer.val_before_train=false"]
+    out = _run("train_ppo.py", _paths(tmp_path, tmp_path / "tp1") + rl + ["trainer.total_training_steps=3"])
+    assert "mean reward: first 1 steps" in out and "tool calls per trajectory: first 1 steps" in out
+    one = read_scalars(tmp_path / "tp1")
+    for step in (1, 2, 3):
+        assert one["rollout/tool_calls/mean"][step] > 0.5, one["rollout/tool_calls/mean"]
+        assert one["rollout/num_turns/mean"][step] > 1.5
+        assert one["rollout/logprob_diff_max"][step] < 1e-5, one["rollout/logprob_diff_max"]
+        # response lengths count tool output; the loss mask (what entropy averages over) does not
+        assert one["response_length/mean"][step] > one["perf/rollout_tokens"][step] / 64
+    # rollout TP 2 over two DP ranks: the same first step
+    _run("train_ppo.py", _paths(tmp_path, tmp_path / "tp2") + rl + ["trainer.total_training_steps=1",
+                                                                  "rollout.tensor_model_parallel_size=2"], nproc=2)
+    two = read_scalars(tmp_path / "tp2")
+    for key in ("rollout/num_turns/mean", "rollout/tool_calls/mean", "rollout/tool_errors/mean", "critic/score/mean",
+                "response_length/mean", "perf/rollout_tokens"):
+        assert two[key][1] == pytest.approx(one[key][1], abs=1e-6), key
