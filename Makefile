@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 NPROC ?= 1
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo demo-tools test test-fast clean
 
 $(STAMP): requirements.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ venv: $(STAMP)
 
 demo: venv
 	$(PY) scripts/train_ppo.py --config configs/tiny_cpu.yaml
+
+# SFT warm-up on generated tool-use demonstrations, then GRPO with multi-turn tool-calling rollouts
+demo-tools: venv
+	$(PY) scripts/train_sft.py --config configs/tiny_cpu_tools.yaml
+	$(PY) scripts/train_ppo.py --config configs/tiny_cpu_tools.yaml model.path=outputs/tiny_cpu_tools/sft_hf
 
 test: venv
 	$(PY) -m pytest -q
