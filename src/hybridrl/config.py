@@ -575,6 +575,8 @@ class SFTConfig:
         _check(self.train_batch_size > 0, "sft.train_batch_size must be > 0")
         _check(self.micro_batch_size_per_gpu > 0, "sft.micro_batch_size_per_gpu must be > 0")
         _check(self.total_training_steps >= 0, "sft.total_training_steps must be >= 0")
+        _check(self.total_epochs >= 1, "sft.total_epochs must be >= 1")
+        _check(bool(self.messages_key), "sft.messages_key must name the column of the trajectories")
         _check(bool(self.output_dir), "sft.output_dir must name the folder the model is written to")
         _one_of("sft.synthetic_task", self.synthetic_task, ("", "arith_tools"))
 

@@ -84,19 +84,24 @@ def collate(rows: Sequence[PromptRow], pad_id: int, length: Optional[int] = None
                        [r.index for r in rows], [r.messages for r in rows])
 
 
-def read_parquet_records(path: str, prompt_key: str) -> List[Dict[str, Any]]:
-    """Rows of one parquet file as dicts, after checking the file and its columns."""
+def read_parquet_table(path: str, what: str, missing_fix: str, layout_fix: str):
+    """One parquet file as a pyarrow Table; a missing or unreadable file is one DataError."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if not os.path.isfile(path):
-        raise DataError(f"data file '{path}' does not exist; fix data.train_files/data.val_files or "
-                        "create it (scripts/prepare_gsm8k.py, scripts/make_synthetic_data.py)")
+        raise DataError(f"{what} '{path}' does not exist; {missing_fix}")
     try:
-        table = pq.read_table(path)
+        return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"data file '{path}' is not a parquet file ({e}); convert it to parquet, "
-                        f"e.g. pyarrow.parquet.write_table, and {_LAYOUT_FIX}") from e
+        raise DataError(f"{what} '{path}' is not a parquet file ({e}); convert it to parquet, "
+                        f"e.g. pyarrow.parquet.write_table, and {layout_fix}") from e
+
+
+def read_parquet_records(path: str, prompt_key: str) -> List[Dict[str, Any]]:
+    """Rows of one parquet file as dicts, after checking the file and its columns."""
+    table = read_parquet_table(path, "data file", "fix data.train_files/data.val_files or create it "
+                               "(scripts/prepare_gsm8k.py, scripts/make_synthetic_data.py)", _LAYOUT_FIX)
     for column in (prompt_key,) + REQUIRED_COLUMNS:
         if column not in table.column_names:
             hint = " (or set data.prompt_key)" if column == prompt_key else ""

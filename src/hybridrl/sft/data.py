@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 
 from hybridrl.config import SFTConfig
-from hybridrl.data import DataError, shard_bounds
+from hybridrl.data import DataError, read_parquet_table, shard_bounds
 from hybridrl.tokenizer import Tokenizer
 
 logger = logging.getLogger("hybridrl.sft")
@@ -27,16 +27,8 @@ _ROW_FIX = ("write each row's messages as [{'role': 'user', 'content': ...}, {'r
 
 def read_trajectories(path: str, key: str) -> List[object]:
     """The `key` column of one parquet file, after checking the file and the column."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if not os.path.isfile(path):
-        raise DataError(f"SFT data file '{path}' does not exist; fix sft.train_files or set "
-                        "sft.synthetic_task=arith_tools to generate demonstrations there")
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"SFT data file '{path}' is not a parquet file ({e}); {_ROW_FIX}") from e
+    table = read_parquet_table(path, "SFT data file", "fix sft.train_files or set sft.synthetic_task=arith_tools "
+                               "to generate demonstrations there", _ROW_FIX)
     if key not in table.column_names:
         raise DataError(f"SFT data file '{path}' has no column '{key}' (it has {table.column_names}); "
                         f"set sft.messages_key or {_ROW_FIX}")
