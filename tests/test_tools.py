@@ -81,14 +81,14 @@ def test_parse_bad_blocks_become_errors(text, fragment):
 
 def test_toolset_results_and_errors():
     tools = ToolSet(["calculator", "test_tools:echo", "test_tools:raises", "test_tools:returns_dict"],
-                    timeout_s=5.0, max_response_chars=12)
+                    timeout_s=5.0, max_response_chars=60)
     calls = parse_tool_calls(
         '<tool_call>{"name": "calculator", "arguments": {"expression": "23*17"}}</tool_call>'
         '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
         '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'
         '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
         '<tool_call>{"name": "raises", "arguments": {}}</tool_call>'
-        '<tool_call>{"name": "echo", "arguments": {"text": "abcdefghijklmnopq"}}</tool_call>'
+        '<tool_call>{"name": "echo", "arguments": {"text": "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxyz"}}</tool_call>'
         '<tool_call>{"name": "returns_dict", "arguments": {"x": 3}}</tool_call>'
         '<tool_call>{oops}</tool_call>')
     results = tools.call_many(calls)
@@ -97,10 +97,12 @@ def test_toolset_results_and_errors():
     assert "division by zero" in results[1].text
     assert "bad arguments for 'calculator'" in results[2].text
     assert "unknown tool 'search'" in results[3].text and "calculator" in results[3].text
-    assert results[4].text.startswith("error: Runti")  # truncated to 12 characters
-    assert results[5].text == "abcdefghijkl...(truncated)"
+    assert results[4].text == "error: RuntimeError: backend down"
+    assert results[5].text == "x" * 60 + "...(truncated)"  # cut to 60 characters
     assert results[6].text == '{"x": 3}'
     assert "not valid JSON" in results[7].text
+    long_error = ToolSet(["test_tools:raises"], max_response_chars=12).call_many(calls[4:5])[0]
+    assert long_error.error and long_error.text == "error: Runti...(truncated)"  # errors are cut too
 
 
 def test_toolset_timeout_does_not_wait_for_the_tool():

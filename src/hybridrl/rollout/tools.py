@@ -211,15 +211,17 @@ class ToolSet:
             return ToolResult(f"error: tool {call.name!r} timed out after {self.timeout_s:g} s", True)
         if status == "raised":
             if isinstance(value, TypeError):  # most often arguments the function does not take
-                return ToolResult(self._truncate(f"error: bad arguments for {call.name!r}: {value}"), True)
-            return ToolResult(self._truncate(f"error: {type(value).__name__}: {value}"), True)
-        return ToolResult(self._truncate(value if isinstance(value, str) else json.dumps(value, default=str)))
+                return ToolResult(f"error: bad arguments for {call.name!r}: {value}", True)
+            return ToolResult(f"error: {type(value).__name__}: {value}", True)
+        return ToolResult(value if isinstance(value, str) else json.dumps(value, default=str))
 
     def call_many(self, calls: Sequence[ToolCall]) -> List[ToolResult]:
-        """Run the calls concurrently (one thread each), all bounded by one timeout; results in order."""
+        """Run the calls concurrently (one thread each), all bounded by one timeout; results in order,
+        each (error messages too) cut to max_response_chars as verl's max_tool_response_length."""
         refusals = [self._refusal(c) for c in calls]
         running = [None if r is not None else _Running(self.tools[c.name], c.arguments)
                    for c, r in zip(calls, refusals)]
         deadline = time.monotonic() + self.timeout_s
-        return [r if r is not None else self._result(c, *job.wait(deadline))
-                for c, r, job in zip(calls, refusals, running)]
+        results = [r if r is not None else self._result(c, *job.wait(deadline))
+                   for c, r, job in zip(calls, refusals, running)]
+        return [ToolResult(self._truncate(r.text), r.error) for r in results]
