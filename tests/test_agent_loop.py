@@ -75,7 +75,7 @@ def test_call_result_answer_in_order_with_masks():
     loop, engine = _loop(calls_then_copies)
     out = loop.generate(engine, [TOK.encode("23*17=")], SamplingParams(max_new_tokens=90))
     call = TOK.encode(tool_call_text("23*17")) + [EOS]
-    result = TOK.encode("\n<tool_response>391</tool_response>")
+    result = TOK.encode("<tool_response>391</tool_response>")
     answer = TOK.encode("391") + [EOS]
     n = len(call) + len(result) + len(answer)
     assert out.responses[0, :n].tolist() == call + result + answer
@@ -98,7 +98,7 @@ def test_bad_calls_become_error_messages_and_are_counted():
         return "6", True
 
     loop, engine = _loop(reply, max_turns=3)
-    out = loop.generate(engine, [TOK.encode("2*3=")], SamplingParams(max_new_tokens=200))
+    out = loop.generate(engine, [TOK.encode("2*3=")], SamplingParams(max_new_tokens=300))
     tool_text = _text(out.responses[0], out.attention_mask[0] - out.response_mask[0])
     # (builtin:tiny_tools lowercases what it encodes)
     assert "not an arithmetic expression: '2*'" in tool_text and "error: unknown tool 'search'" in tool_text
@@ -120,7 +120,7 @@ def test_calls_of_the_last_turn_and_of_cut_turns_are_not_run():
 
 def test_budget_bounds_the_whole_trajectory():
     call = len(TOK.encode(tool_call_text("23*17"))) + 1
-    result = len(TOK.encode("\n<tool_response>391</tool_response>"))
+    result = len(TOK.encode("<tool_response>391</tool_response>"))
     loop, engine = _loop(calls_then_copies)
     # the result fits but leaves no room for an answer: the trajectory ends after the call (as verl)
     out = loop.generate(engine, [TOK.encode("23*17=")], SamplingParams(max_new_tokens=call + result))
@@ -195,7 +195,9 @@ def test_gae_with_holes_equals_verl(case):
     c = ref["cases"][case]
     adv, returns = algos.compute_gae_advantages(rewards, values, mask, c["gamma"], c["lam"])
     expected_adv = torch.tensor(c["advantages"], dtype=torch.float64)
-    # equal where the loss reads them; hybridrl zeroes advantages outside the mask, verl leaves them
-    assert torch.allclose(adv * mask, expected_adv * mask, rtol=0, atol=1e-12)
+    # the recursion itself: returns are the raw advantages + values, equal to float64 rounding
     assert torch.allclose(returns, torch.tensor(c["returns"], dtype=torch.float64), rtol=0, atol=1e-12)
+    # whitened advantages, equal where the loss reads them (hybridrl zeroes them outside the mask, verl
+    # leaves them); verl's masked_mean divides by mask.sum() + 1e-8, hence ~1e-10 apart, not 1e-12
+    assert torch.allclose(adv * mask, expected_adv * mask, rtol=0, atol=1e-9)
     assert not (adv * (1 - mask)).any()
