@@ -91,7 +91,7 @@ def test_loader_slices_are_the_global_batch(tmp_path):
 
 def test_missing_data_is_one_error_line(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_sft.py"), "--config", TOOLS_CONFIG,
-                           f"sft.train_files=[{tmp_path}/none.parquet]", "sft.synthetic_task=",
+                           f"sft.train_files=[{tmp_path}/none.parquet]", "sft.synthetic_task=''",
                            f"trainer.default_local_dir={tmp_path}/ckpt"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
