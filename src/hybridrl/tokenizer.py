@@ -208,11 +208,25 @@ def save_tiny_tokenizer(folder: str, tools: bool = False) -> str:
     return folder
 
 
-def _load_hf_folder(folder: str) -> HFTokenizer:
-    from transformers import AutoTokenizer
+def _generic_fast_tokenizer(folder: str) -> bool:
+    """True when the folder's tokenizer is a plain tokenizer.json (builtin:tiny written out, e.g. by
+    train_sft.py): AutoTokenizer would pick the class of config.json's model_type (Qwen2Tokenizer)
+    and replace the file's own pre-tokenizer and normalizer with that class's."""
+    import json
 
     try:
-        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    except (OSError, ValueError):
+        return False
+
+
+def _load_hf_folder(folder: str) -> HFTokenizer:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        cls = PreTrainedTokenizerFast if _generic_fast_tokenizer(folder) else AutoTokenizer
+        hf = cls.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # transformers raises many types here; one message for all
         raise TokenizerError(f"could not load the HF tokenizer folder '{folder}': {e}. It needs "
                              "tokenizer.json (+ tokenizer_config.json); fix data.tokenizer") from e
