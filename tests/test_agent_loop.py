@@ -15,7 +15,7 @@ import torch
 from hybridrl import algos
 from hybridrl.config import MultiTurnConfig
 from hybridrl.data_tools import tool_call_text
-from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, turn_metrics, turn_sums
+from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
 from hybridrl.rollout.base import SamplingParams, expand_requests, pack_output
 from hybridrl.step_batch import assemble
 from hybridrl.tokenizer import TINY_TOOLS_SPEC, load_tokenizer
@@ -166,9 +166,13 @@ def test_batch_masks_and_turn_metrics():
     R = 128
     pad = lambda t: torch.cat([t, t.new_zeros(t.shape[0], R - t.shape[1])], dim=1)
     prompt_ids = torch.tensor([[0, 0] + prompts[0], [0] * 4 + prompts[1]])
+    fields = trajectory_fields(out, R, "cpu")
+    assert torch.equal(fields["attention_mask"], pad(out.attention_mask))
+    # what the model-parallel peers allocate to receive the broadcast is what the source sends
+    assert {k: (tuple(v.shape), v.dtype) for k, v in fields.items()} == trajectory_shapes(4, R)
     batch = assemble(prompt_ids, (prompt_ids != 0).float(), pad(out.responses), pad(out.response_mask), 2,
-                     pad(out.attention_mask))
-    batch.update(trajectory_fields(out, R))
+                     response_attention_mask=fields.pop("attention_mask"))
+    batch.update(fields)
     P = prompt_ids.shape[1]
     assert torch.equal(batch["attention_mask"][:, P:], pad(out.attention_mask))
     assert torch.equal(batch["response_mask"], pad(out.response_mask))

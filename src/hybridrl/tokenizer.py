@@ -212,7 +212,6 @@ def _generic_fast_tokenizer(folder: str) -> bool:
     """True when the folder's tokenizer is a plain tokenizer.json (builtin:tiny written out, e.g. by
     train_sft.py): AutoTokenizer would pick the class of config.json's model_type (Qwen2Tokenizer)
     and replace the file's own pre-tokenizer and normalizer with that class's."""
-    import json
 
     try:
         with open(os.path.join(folder, "tokenizer_config.json")) as f:
