@@ -1,8 +1,9 @@
 """The tool-calling demo, briefly: SFT warm-up, then GRPO with multi-turn rollouts through both scripts.
 
 The RL run's own metrics carry the multi-turn checks: the trainer's log-probs over whole trajectories
-(tool output included) equal the engine's on the model's tokens (rollout/logprob_diff_max, fp32), and
-the model keeps calling the tool. A second run at rollout TP 2 over two DP ranks samples the same
+(tool output included) equal the engine's on the model's tokens (the project's fp32 tolerance, as in
+tests/test_rollout_trainer_agreement.py: rollout/logprob_diff_mean <= 1e-5, max <= 1e-4), and the
+model keeps calling the tool. A second run at rollout TP 2 over two DP ranks samples the same
 trajectories (seeds per prompt, sample and turn; one collective batch per turn).
 """
 import os
@@ -46,7 +47,10 @@ def test_sft_then_multi_turn_rl(tmp_path):
     for step in (1, 2, 3):
         assert one["rollout/tool_calls/mean"][step] > 0.5, one["rollout/tool_calls/mean"]
         assert one["rollout/num_turns/mean"][step] > 1.5
-        assert one["rollout/logprob_diff_max"][step] < 1e-5, one["rollout/logprob_diff_max"]
+        # the project's fp32 agreement tolerance (test_rollout_trainer_agreement): rounding grows with
+        # the trajectory's length, an offset across tool output would be O(1)
+        assert one["rollout/logprob_diff_mean"][step] <= 1e-5, one["rollout/logprob_diff_mean"]
+        assert one["rollout/logprob_diff_max"][step] <= 1e-4, one["rollout/logprob_diff_max"]
         # response lengths count tool output; the loss mask (what entropy averages over) does not
         assert one["response_length/mean"][step] > one["perf/rollout_tokens"][step] / 64
     # rollout TP 2 over two DP ranks: the same first step
