@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import time
 import types
@@ -52,6 +51,7 @@ def body(reps: int) -> dict:
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
     from hybridrl.trainer_loop import _setup
+    from hybridrl.workers.micro_batches import MicroBatching
 
     torch.set_num_threads(1)
     cfg = load_config(os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml"), overrides("ablate", 10))
@@ -62,7 +62,7 @@ def body(reps: int) -> dict:
     trainer.train_step(prompts, 1)  # Adam states exist from here on
     batch = trainer.generate(prompts, trainer.train_sampling(), 2)
     actor, base_cfg, set_mode = trainer.actor, trainer.actor.cfg, _schedule_patch()
-    batch["old_log_probs"], _ = actor.compute_log_prob(batch, base_cfg.log_prob_micro_batch_size_per_gpu)
+    batch["old_log_probs"], _ = actor.compute_log_prob(batch, MicroBatching(base_cfg.log_prob_micro_batch_size_per_gpu))
     trainer.compute_advantages(batch, trainer.score(batch, prompts, cfg.rollout.n))
     rows = layout.actor_mini_batch_samples
     times = {}
@@ -70,15 +70,14 @@ def body(reps: int) -> dict:
         for v in VARIANTS:
             set_mode(v in ("base", "micro64"))
             big = v in ("micro64", "both")
-            actor.cfg = dataclasses.replace(base_cfg, ppo_micro_batch_size_per_gpu=rows) if big else base_cfg
             start = time.thread_time()
-            actor.compute_log_prob(batch, rows if big else base_cfg.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+            actor.compute_log_prob(batch, MicroBatching(rows if big else base_cfg.log_prob_micro_batch_size_per_gpu),
+                                   with_entropy=True)
             mid = time.thread_time()
-            actor.update_policy(batch, rows)
+            actor.update_policy(batch, rows, MicroBatching(rows if big else base_cfg.ppo_micro_batch_size_per_gpu))
             times.setdefault(("old_log_prob", v), []).append(mid - start)
             times.setdefault(("update_actor", v), []).append(time.thread_time() - mid)
     set_mode(True)
-    actor.cfg = base_cfg
     return {k: bl.median(v) for k, v in times.items()}
 
 

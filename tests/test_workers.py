@@ -34,6 +34,7 @@ def _roles_run(folder, tp, pp, agg_mode):
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
+    from hybridrl.workers.micro_batches import MicroBatching
     from hybridrl.workers.optim import build_optimizer
     from hybridrl.step_batch import local_slice
 
@@ -50,11 +51,11 @@ def _roles_run(folder, tp, pp, agg_mode):
                           max_response_length=R)
     full = _batch(spec.vocab_size)
     batch = {k: local_slice(v, groups) for k, v in full.items()}
-    before, entropy = actor.compute_log_prob(batch, 4, with_entropy=True)
-    values = critic.compute_values(batch, 4)
-    a_metrics = actor.update_policy(batch, mini_batch_rows=B // groups.dp)
-    c_metrics = critic.update_critic(batch, mini_batch_rows=B // groups.dp)
-    after, _ = actor.compute_log_prob(batch, 4)
+    before, entropy = actor.compute_log_prob(batch, MicroBatching(4), with_entropy=True)
+    values = critic.compute_values(batch, MicroBatching(4))
+    a_metrics = actor.update_policy(batch, B // groups.dp, MicroBatching(2))
+    c_metrics = critic.update_critic(batch, B // groups.dp, MicroBatching(2))
+    after, _ = actor.compute_log_prob(batch, MicroBatching(4))
     return dict(before=before, entropy=entropy, values=values, after=after, actor=a_metrics, critic=c_metrics,
                 dp_rank=groups.dp_rank)
 
@@ -121,3 +122,154 @@ def test_seq_mean_mode_dp2_matches(hf_folder):
     outs = run_distributed(_roles_run, 2, hf_folder, 1, 1, "seq-mean-token-mean")
     for key, value in ref["actor"].items():
         assert abs(outs[0]["actor"][key] - value) <= 1e-5 * max(1.0, abs(value)), key
+
+
+# ---- micro-batching by token budget, old log-probs from the update's own forward ---------------
+
+FIXED, BUDGET = 2, 16  # rows per fixed micro-batch; tokens per dynamic one (rows x trimmed width)
+
+
+def _params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def _saved_bytes(fn):
+    """Bytes of the tensors autograd saves for backward while fn() runs (and fn's result)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total[0], out
+
+
+def _split_run(folder, tp, pp):
+    """Same layout, same start: fixed vs token-budget micro-batches (actor and critic), and the
+    two-pass actor step vs the one whose forward gives the old log-probs."""
+    import dataclasses
+
+    from hybridrl.config import ActorConfig, CriticConfig, OptimConfig
+    from hybridrl.models.critic import critic_from_hf
+    from hybridrl.models.hf_checkpoint import model_from_hf
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.roles import _trainable
+    from hybridrl.config import Config
+    from hybridrl.step_batch import local_slice
+    from hybridrl.workers.actor import ActorWorker
+    from hybridrl.workers.critic import CriticWorker
+    from hybridrl.workers.engine import ModelEngine
+    from hybridrl.workers.micro_batches import MicroBatching
+    from hybridrl.workers.optim import build_optimizer
+
+    groups = init_model_parallel(tp, pp)
+    # Adam's first step is lr * g / (|g| + eps): with eps 1e-8 a gradient entry that is round-off
+    # itself (~1e-8) moves by ~lr/2 either way. eps 1e-3 keeps parameters a faithful image of
+    # the gradients, so fp32 round-off in them stays round-off in the parameters.
+    optim = OptimConfig(lr=1e-2, eps=1e-3)
+    acfg = ActorConfig(optim=optim, loss_agg_mode="seq-mean-token-mean")
+    ccfg = CriticConfig(optim=optim)
+    cfg = Config(actor=acfg, critic=ccfg)
+    fixed, dynamic = MicroBatching(FIXED), MicroBatching(FIXED, BUDGET)
+
+    def actor(coeff=0.0):
+        model, spec = model_from_hf(folder, groups)
+        module = _trainable(model, cfg)
+        worker_cfg = dataclasses.replace(acfg, entropy_coeff=coeff)
+        return ActorWorker(ModelEngine(module, groups), build_optimizer(module, acfg.optim, groups, 10), worker_cfg,
+                           spec.vocab_size, temperature=0.7)
+
+    def critic():
+        model, _, _ = critic_from_hf(folder, groups, seed=5)
+        module = _trainable(model, cfg)
+        return CriticWorker(ModelEngine(module, groups), build_optimizer(module, ccfg.optim, groups, 10), ccfg)
+
+    full = _batch(97)
+    batch = {k: local_slice(v, groups) for k, v in full.items() if k != "old_log_probs"}
+    rows = B // groups.dp
+    out = {"dp_rank": groups.dp_rank}
+    two_pass = {}
+    for name, batching in (("fixed", fixed), ("dynamic", dynamic)):
+        a = actor()
+        out.setdefault("start", _params(a.engine.module))
+        old, ent = a.compute_log_prob(batch, batching, with_entropy=True)
+        two_pass[name] = a.update_policy(dict(batch, old_log_probs=old), rows, batching)
+        out[name] = dict(params=_params(a.engine.module), old=old, entropy=ent, metrics=two_pass[name])
+        c = critic()
+        out[name]["values"] = c.compute_values(batch, batching)
+        out[name]["critic"] = c.update_critic(dict(batch, values=out[name]["values"]), rows, batching)
+        out[name]["critic_params"] = _params(c.engine.module)
+    one = actor()
+    metrics, old, ent = one.update_policy_one_step(batch, dynamic)
+    out["one_step"] = dict(params=_params(one.engine.module), old=old, entropy=ent, metrics=metrics)
+    if tp == pp == 1:  # entropy without autograd when entropy_coeff is 0
+        for coeff in (0.0, 1e-3):
+            a = actor(coeff)
+            old, _ = a.compute_log_prob(batch, fixed)
+            saved, m = _saved_bytes(lambda: a.update_policy(dict(batch, old_log_probs=old), rows, fixed))
+            out[f"saved_{coeff}"], out[f"entropy_{coeff}"] = saved, m["actor/entropy"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def split_single(hf_folder):
+    return run_distributed(_split_run, 1, hf_folder, 1, 1)[0]
+
+
+def _close(a, b, key):
+    assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (key, a, b)
+
+
+def _check_splits(out):
+    rows = out["fixed"]["old"].shape[0]
+    mask = _batch(97)["response_mask"].bool()[out["dp_rank"] * rows:(out["dp_rank"] + 1) * rows]
+    fixed, dynamic, one = out["fixed"], out["dynamic"], out["one_step"]
+    for key in ("old", "entropy", "values"):
+        torch.testing.assert_close(dynamic[key][mask], fixed[key][mask], atol=1e-5, rtol=1e-5, msg=key)
+    assert _max_diff(dynamic["params"], fixed["params"]) < 1e-6
+    assert _max_diff(dynamic["critic_params"], fixed["critic_params"]) < 1e-6
+    assert _max_diff(fixed["params"], out["start"]) > 1e-3  # the step did move the weights
+    for key, value in fixed["metrics"].items():
+        _close(dynamic["metrics"][key], value, key)
+    for key, value in fixed["critic"].items():
+        _close(dynamic["critic"][key], value, key)
+    # the update's own forward gives the old log-probs of the two-pass path, and the same step
+    torch.testing.assert_close(one["old"][mask], dynamic["old"][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one["entropy"][mask], dynamic["entropy"][mask], atol=1e-5, rtol=1e-5)
+    assert _max_diff(one["params"], dynamic["params"]) < 1e-6
+    assert set(one["metrics"]) == set(dynamic["metrics"])
+    for key, value in dynamic["metrics"].items():
+        _close(one["metrics"][key], value, key)
+    assert one["metrics"]["actor/ppo_kl"] == 0.0 and one["metrics"]["actor/pg_clipfrac"] == 0.0
+
+
+def test_token_budget_and_own_old_log_probs_match_fixed_two_pass(split_single):
+    _check_splits(split_single)
+
+
+def test_entropy_keeps_no_autograd_state_when_unused(split_single):
+    # entropy_coeff 0: the softmax p and shifted logits z, [b, r, V] fp32 each, that the entropy's
+    # backward would need are not kept (only a few [b, r] tensors besides them differ)
+    positions, vocab_padded = _trimmed_response_tokens(), 128
+    extra = split_single["saved_0.001"] - split_single["saved_0.0"]
+    assert 2 * 4 * vocab_padded * positions <= extra <= (2 * vocab_padded + 16) * 4 * positions, extra
+    _close(split_single["entropy_0.0"], split_single["entropy_0.001"], "actor/entropy")
+
+
+def _trimmed_response_tokens():
+    """Positions of the response columns the fixed micro-batches of FIXED rows compute."""
+    rmask = _batch(97)["response_mask"]
+    return sum(FIXED * int(rmask[i:i + FIXED].sum(0).gt(0).sum()) for i in range(0, B, FIXED))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
+def test_token_budget_matches_fixed_at_tp_pp_dp(hf_folder, tp, pp):
+    outs = run_distributed(_split_run, 2, hf_folder, tp, pp)
+    for out in outs:
+        _check_splits(out)

@@ -202,10 +202,18 @@ class ActorConfig:
     """Truncate importance weights actor-old/rollout at this value; None disables."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Samples per forward when recomputing log-probs."""
+    use_dynamic_bsz: bool = False
+    """Split by a token budget instead of a row count (ignores the *_micro_batch_size_per_gpu fields)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one update micro-batch (rows x trimmed width, padding included)."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one old-log-prob micro-batch."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What to move to CPU during rollout."""
 
     def __post_init__(self):
+        _check(self.ppo_max_token_len_per_gpu > 0 and self.log_prob_max_token_len_per_gpu > 0,
+               "actor.ppo_max_token_len_per_gpu and actor.log_prob_max_token_len_per_gpu must be > 0")
         _check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c must be > 1")
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
         _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
@@ -231,12 +239,20 @@ class CriticConfig:
     """How token losses become one number."""
     loss_scale_factor: Optional[int] = None
     """Constant divisor of seq-mean-token-sum-norm; None: data.max_response_length."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Split by a token budget instead of a row count; None: as actor.use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one update micro-batch (rows x trimmed width, padding included)."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one values micro-batch; None: ppo_max_token_len_per_gpu."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What to move to CPU during rollout."""
 
     def __post_init__(self):
         _one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "critic.loss_scale_factor must be > 0")
+        _check(self.ppo_max_token_len_per_gpu > 0 and (self.forward_max_token_len_per_gpu or 1) > 0,
+               "critic.ppo_max_token_len_per_gpu and critic.forward_max_token_len_per_gpu must be > 0")
 
 
 @dataclass(frozen=True)
@@ -245,6 +261,13 @@ class RefConfig:
     """Samples per forward of the frozen reference."""
     offload_params: bool = False
     """Keep the reference weights on CPU between uses."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Split by a token budget instead of a row count; None: as actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one reference micro-batch; None: actor.ppo_max_token_len_per_gpu."""
+
+    def __post_init__(self):
+        _check((self.log_prob_max_token_len_per_gpu or 1) > 0, "ref.log_prob_max_token_len_per_gpu must be > 0")
 
 
 @dataclass(frozen=True)

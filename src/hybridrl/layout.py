@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from hybridrl.config import Config, ConfigError, ModelConfig
+from hybridrl.workers.micro_batches import resolve_batching
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,16 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_mini_batches(role: str, mini: int, micro: int, cfg: Config, dp: int) -> int:
+def _check_mini_batches(role: str, mini: int, micro: int, cfg: Config, dp: int, dynamic: bool = False) -> int:
     train_bs, n = cfg.data.train_batch_size, cfg.rollout.n
     _require(train_bs % mini == 0,
              f"data.train_batch_size={train_bs} is not divisible by {role}.ppo_mini_batch_size={mini}; "
              f"make the mini batch a divisor of the train batch")
     samples = mini * n
     per_rank = samples // dp if samples % dp == 0 else 0
-    # a micro batch larger than a rank's share just means one micro batch per optimizer step
-    _require(per_rank > 0 and per_rank % min(micro, per_rank) == 0,
+    # a micro batch larger than a rank's share just means one micro batch per optimizer step;
+    # with a token budget (use_dynamic_bsz) the micro batch size is not used
+    _require(per_rank > 0 and (dynamic or per_rank % min(micro, per_rank) == 0),
              f"{role}.ppo_mini_batch_size * rollout.n = {samples} is not divisible by "
              f"dp ({dp}) * {role}.ppo_micro_batch_size_per_gpu ({micro}); change the micro batch or the mini batch")
     return samples
@@ -111,10 +113,12 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     _require(samples % dp == 0,
              f"data.train_batch_size * rollout.n = {samples} is not divisible by dp={dp}; "
              f"make the batch a multiple of the data-parallel size")
+    batching = resolve_batching(cfg)  # also checks the token budgets
     actor_mb = _check_mini_batches("actor", cfg.actor.ppo_mini_batch_size,
-                                   cfg.actor.ppo_micro_batch_size_per_gpu, cfg, dp)
+                                   cfg.actor.ppo_micro_batch_size_per_gpu, cfg, dp, batching.actor_update.dynamic)
     critic_mb = actor_mb
     if cfg.algorithm.uses_critic:
         critic_mb = _check_mini_batches("critic", cfg.critic.ppo_mini_batch_size,
-                                        cfg.critic.ppo_micro_batch_size_per_gpu, cfg, dp)
+                                        cfg.critic.ppo_micro_batch_size_per_gpu, cfg, dp,
+                                        batching.critic_update.dynamic)
     return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb)

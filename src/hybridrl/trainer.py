@@ -27,7 +27,9 @@ from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
 from hybridrl.validation import metrics_from_samples
+from hybridrl.workers.actor import old_log_prob_from_update
 from hybridrl.workers.engine import dp_sum
+from hybridrl.workers.micro_batches import resolve_batching
 
 
 class TrainingError(RuntimeError):
@@ -54,6 +56,8 @@ class PPOTrainer:
                                                                         self.critic.optimizer, cfg.critic.offload),
                                     "ref": self.ref and self.ref.offloader,
                                     "reward_model": roles.reward_model and roles.reward_model.offloader})
+        self.batching = resolve_batching(cfg)
+        self.old_log_prob_from_update = old_log_prob_from_update(cfg, layout)
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self, prompts, step: int, update: bool = True, next_prompts=None) -> Dict[str, float]:
@@ -62,18 +66,21 @@ class PPOTrainer:
         t.reset()
         step_start = time.perf_counter()
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts)
-        with t("old_log_prob"):
-            self.hybrid.enter("old_log_prob")
-            batch["old_log_probs"], entropy = self.actor.compute_log_prob(
-                batch, cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        actor_steps = step > cfg.trainer.critic_warmup or self.critic is None
+        own_old = actor_steps and self.old_log_prob_from_update
+        if not own_old:
+            with t("old_log_prob"):
+                self.hybrid.enter("old_log_prob")
+                batch["old_log_probs"], entropy = self.actor.compute_log_prob(batch, self.batching.actor_log_prob,
+                                                                              with_entropy=True)
         if self.ref is not None:
             with t("ref"):
                 self.hybrid.enter("ref")
-                batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)
+                batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, self.batching.ref_log_prob)
         if self.critic is not None:
             with t("values"):
                 self.hybrid.enter("values")
-                batch["values"] = self.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
+                batch["values"] = self.critic.compute_values(batch, self.batching.critic_values)
         with t("adv"):
             metrics = self.compute_advantages(batch, scores)
         metrics.update(sample_metrics)
@@ -81,12 +88,17 @@ class PPOTrainer:
             with t("update_critic"):
                 self.hybrid.enter("update_critic")
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
-                                                         apply=update))
-        if step > cfg.trainer.critic_warmup or self.critic is None:
+                                                         self.batching.critic_update, apply=update))
+        if actor_steps:
             with t("update_actor"):
                 self.hybrid.enter("update_actor")
-                metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
-                                                        apply=update))
+                if own_old:  # the update's forward also gives the old log-probs
+                    actor_metrics, batch["old_log_probs"], entropy = self.actor.update_policy_one_step(
+                        batch, self.batching.actor_update, apply=update)
+                else:
+                    actor_metrics = self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
+                                                             self.batching.actor_update, apply=update)
+                metrics.update(actor_metrics)
         if update:
             with t("update_weights"):
                 self.sync_rollout_weights()

@@ -10,6 +10,7 @@ real token, RoPE positions are the true ones, and the output is rotated back bef
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -63,14 +64,30 @@ def padding_mode(model) -> str:
     return "left_align" if getattr(model, "layer_spec_kind", "local") == "te" else "mask"
 
 
+@contextlib.contextmanager
+def _shapes_sent_ahead(model, micro_batches: list[dict]):
+    """Micro-batches of different [B, S] (trimmed or token-budget ones): megatron's p2p sends each
+    activation's shape before it (`variable_seq_lengths`) instead of assuming one fixed shape."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    before = config.variable_seq_lengths
+    config.variable_seq_lengths = before or len({tuple(mb["input_ids"].shape) for mb in micro_batches}) > 1
+    try:
+        yield
+    finally:
+        config.variable_seq_lengths = before
+
+
 def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None = None,
                      forward_only: bool = True, padding: str | None = None) -> list[dict]:
     """Forward (and backward unless `forward_only`) over `micro_batches`; returns loss_fn's dicts.
 
     A micro-batch is a dict with "input_ids" [B, S] and optionally "attention_mask" [B, S]
-    (1 = token; left or right padding) and "position_ids". Note: megatron's RoPE uses positions
-    0..S-1 regardless of position_ids; with left padding this is exact all the same, because RoPE
-    attention depends only on relative positions, which a per-row shift does not change.
+    (1 = token; left or right padding) and "position_ids"; B and S may differ between micro-batches.
+    Note: megatron's RoPE uses positions 0..S-1 regardless of position_ids; with left padding this
+    is exact all the same, because RoPE attention depends only on relative positions, which a
+    per-row shift does not change.
     `loss_fn(output, micro_batch) -> (scalar loss, dict)`, run on the last stage; output is
     logits [B, S, V_pad/tp] for the actor, values [B, S] for the critic. The default returns
     {"output": output}. Backward: megatron divides each micro-batch loss by their number.
@@ -78,15 +95,13 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    b, s = micro_batches[0]["input_ids"].shape
-    if any(mb["input_ids"].shape != (b, s) for mb in micro_batches):
-        raise ValueError("all micro-batches must share one [B, S] shape (pipeline p2p buffers are fixed-size)")
     loss_fn = loss_fn or _forward_only_loss
     padding = padding or padding_mode(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         ids, mask = mb["input_ids"], mb.get("attention_mask")
+        b, s = ids.shape
         if padding == "left_align" and mask is not None:
             index = left_align_index(mask)
             pos = torch.arange(s, device=ids.device).expand(b, s)
@@ -99,8 +114,12 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
             out = chunk(ids, pos, causal_padding_mask(mask, s))
         return out, lambda output: loss_fn(output, mb)
 
+    # With variable shapes these are only the largest; the p2p layer reads each real one.
+    b_max = max(mb["input_ids"].shape[0] for mb in micro_batches)
+    s_max = max(mb["input_ids"].shape[1] for mb in micro_batches)
     context = torch.no_grad() if forward_only else torch.enable_grad()
-    with context, cuda_to_cpu():
+    with context, cuda_to_cpu(), _shapes_sent_ahead(model, micro_batches):
         return list(get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only))
+            num_microbatches=len(micro_batches), seq_length=s_max, micro_batch_size=b_max,
+            forward_only=forward_only))

@@ -7,14 +7,16 @@ split into micro-batches or DP shards. The policy loss is `actor.policy_loss.los
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict
 
 import torch
 
 from hybridrl import algos
-from hybridrl.config import ActorConfig
+from hybridrl.config import ActorConfig, Config
 from hybridrl.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
-from hybridrl.workers.engine import ModelEngine, mini_batches, split_micro_batches
+from hybridrl.workers.engine import ModelEngine, mini_batches
+from hybridrl.workers.micro_batches import MicroBatching, run_per_row
 from hybridrl.workers.update import ppo_update
 
 
@@ -33,16 +35,21 @@ class LogProbWorker:
         self.offloader = None
         """Set for a reference whose weights live on the host between uses (ref.offload_params)."""
 
-    def _token_stats(self, output, mb, with_entropy: bool):
+    def _token_stats(self, output, mb, with_entropy: bool, entropy_grad: bool = False):
+        """[b, r] log-probs and entropy (None unless with_entropy); the entropy keeps no autograd
+        state unless entropy_grad (a loss term needs it)."""
         R = mb["responses"].shape[1]
         logits = response_logits(output, R, self.temperature)
         tp_group = self.engine.groups.tp_group
         log_probs = vocab_parallel_log_probs(logits, mb["responses"], tp_group, self.vocab_size)
-        entropy = vocab_parallel_entropy(logits, tp_group, self.vocab_size) if with_entropy else None
+        if not with_entropy:
+            return log_probs, None
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = vocab_parallel_entropy(logits if entropy_grad else logits.detach(), tp_group, self.vocab_size)
         return log_probs, entropy
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: Dict[str, torch.Tensor], micro_size: int, with_entropy: bool = False):
+    def compute_log_prob(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, with_entropy: bool = False):
         """[B, R] log-probs (and entropy) of batch["responses"]; no gradients."""
         self.engine.train(False)
 
@@ -54,10 +61,22 @@ class LogProbWorker:
             return output.new_zeros(()), out
 
         keys = ("input_ids", "attention_mask", "responses", "response_mask")
-        parts = self.engine.run(split_micro_batches({k: batch[k] for k in keys}, micro_size), loss_fn, True)
-        log_probs = torch.cat([p["log_probs"] for p in parts])
-        entropy = torch.cat([p["entropy"] for p in parts]) if with_entropy else None
-        return log_probs, entropy
+        out = run_per_row(self.engine, {k: batch[k] for k in keys}, batching, loss_fn)
+        return out["log_probs"], out.get("entropy")
+
+
+def old_log_prob_from_update(cfg: Config, layout) -> bool:
+    """True when the actor update's own forward gives the old log-probs exactly: one optimizer step
+    per rollout batch (ppo_epochs 1, one mini-batch), so the policy is unchanged until that forward,
+    and nothing needs them before the update (KL in the reward) or as a separate recomputation
+    (rollout_is_threshold corrects the engine against the trainer's own pass)."""
+    a = cfg.actor
+    return (a.ppo_epochs == 1 and layout.actor_mini_batch_samples == layout.samples_per_step
+            and a.rollout_is_threshold is None and not cfg.algorithm.use_kl_in_reward)
+
+
+UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
+               "ref_log_probs", "rollout_log_probs")
 
 
 class ActorWorker(LogProbWorker):
@@ -68,23 +87,27 @@ class ActorWorker(LogProbWorker):
         # seq-mean-token-sum-norm divides by a constant, never by a (trimmed) micro-batch's width
         self.loss_scale_factor = cfg.loss_scale_factor or max_response_length
 
-    def _policy_loss(self, mb, log_probs):
+    def _policy_loss(self, mb, log_probs, old_log_probs):
         cfg, mask = self.cfg, mb["response_mask"]
         common = dict(agg_mode=cfg.loss_agg_mode, rollout_log_prob=mb.get("rollout_log_probs"),
                       rollout_is_threshold=cfg.rollout_is_threshold, loss_scale_factor=self.loss_scale_factor)
         if cfg.policy_loss.loss_mode == "gspo":
-            return algos.gspo_policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask,
+            return algos.gspo_policy_loss(old_log_probs, log_probs, mb["advantages"], mask,
                                           cfg.clip_ratio_low, cfg.clip_ratio_high, **common)
-        return algos.policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask, cfg.clip_ratio_low,
+        return algos.policy_loss(old_log_probs, log_probs, mb["advantages"], mask, cfg.clip_ratio_low,
                                  cfg.clip_ratio_high, cfg.clip_ratio_c, **common)
 
     def _loss(self, output, mb, weight: float, n_micro: int):
         cfg = self.cfg
         mask = mb["response_mask"]
-        log_probs, entropy = self._token_stats(output, mb, with_entropy=True)
-        pg_loss, stats = self._policy_loss(mb, log_probs)
+        log_probs, entropy = self._token_stats(output, mb, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+        # Without old log-probs (one step on fresh data) the policy before this step is the current
+        # one: its log-probs are this forward's, held constant.
+        own_old = "old_log_probs" not in mb
+        old_log_probs = log_probs.detach() if own_old else mb["old_log_probs"]
+        pg_loss, stats = self._policy_loss(mb, log_probs, old_log_probs)
         ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, self.loss_scale_factor)
-        loss = pg_loss - cfg.entropy_coeff * ent
+        loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff != 0 else pg_loss
         metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item(),
                    **{f"actor/{k}": float(v) for k, v in stats.items()}}
         if cfg.use_kl_loss:
@@ -95,13 +118,30 @@ class ActorWorker(LogProbWorker):
         metrics = {k: v * weight for k, v in metrics.items()}  # summed over micro-batches and DP later
         # The schedule divides by n_micro and DDP averages over DP: undo both for a global mean.
         scaled = loss * weight * n_micro * self.engine.groups.dp
-        return scaled, {**metrics, "finite": torch.isfinite(loss).item()}
+        out = {**metrics, "finite": torch.isfinite(loss).item()}
+        if own_old:
+            out["rows"] = {"log_probs": old_log_probs, "entropy": entropy.detach()}
+        return scaled, out
 
-    def update_policy(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, apply: bool = True):
+    def update_policy(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, batching: MicroBatching,
+                      apply: bool = True):
         """ppo_epochs passes over mini-batches; mean metrics over optimizer steps. apply=False
         computes the same losses without backward or update (the dry run)."""
         self.engine.train(True)
-        keys = [k for k in ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs",
-                            "advantages", "ref_log_probs", "rollout_log_probs") if k in batch]
-        return ppo_update(self.engine, self.optimizer, mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs),
-                          self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.loss_agg_mode, self._loss, "actor", apply)
+        keys = [k for k in UPDATE_KEYS if k in batch]
+        minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
+        metrics, _ = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
+                                self._loss, "actor", apply)
+        return metrics
+
+    def update_policy_one_step(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, apply: bool = True):
+        """One optimizer step over the whole batch (ppo_epochs 1, one mini-batch) without
+        batch["old_log_probs"]: the policy that generated the old log-probs is the one this step
+        starts from, so its forward gives them exactly and no separate pass is needed.
+        Returns (metrics, old log-probs [B, R], entropy [B, R]), as compute_log_prob would."""
+        self.engine.train(True)
+        keys = [k for k in UPDATE_KEYS if k in batch and k != "old_log_probs"]
+        rows = batch["response_mask"].shape[0]
+        metrics, per_step = ppo_update(self.engine, self.optimizer, mini_batches(batch, keys, rows, 1),
+                                       batching, self.cfg.loss_agg_mode, self._loss, "actor", apply)
+        return metrics, per_step[0]["log_probs"], per_step[0]["entropy"]

@@ -7,7 +7,8 @@ import torch
 
 from hybridrl import algos
 from hybridrl.config import CriticConfig
-from hybridrl.workers.engine import ModelEngine, mini_batches, split_micro_batches
+from hybridrl.workers.engine import ModelEngine, mini_batches
+from hybridrl.workers.micro_batches import MicroBatching, run_per_row
 from hybridrl.workers.update import ppo_update
 
 
@@ -24,7 +25,7 @@ class CriticWorker:
         self.loss_scale_factor = cfg.loss_scale_factor or max_response_length
 
     @torch.no_grad()
-    def compute_values(self, batch: Dict[str, torch.Tensor], micro_size: int) -> torch.Tensor:
+    def compute_values(self, batch: Dict[str, torch.Tensor], batching: MicroBatching) -> torch.Tensor:
         self.engine.train(False)
 
         def loss_fn(output, mb):
@@ -32,8 +33,7 @@ class CriticWorker:
             return output.new_zeros(()), {"values": v.detach()}
 
         keys = ("input_ids", "attention_mask", "response_mask")
-        parts = self.engine.run(split_micro_batches({k: batch[k] for k in keys}, micro_size), loss_fn, True)
-        return torch.cat([p["values"] for p in parts])
+        return run_per_row(self.engine, {k: batch[k] for k in keys}, batching, loss_fn)["values"]
 
     def _loss(self, output, mb, weight: float, n_micro: int):
         mask = mb["response_mask"]
@@ -45,8 +45,11 @@ class CriticWorker:
         scaled = vf_loss * weight * n_micro * self.engine.groups.dp
         return scaled, {**metrics, "finite": torch.isfinite(vf_loss).item()}
 
-    def update_critic(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, apply: bool = True):
+    def update_critic(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, batching: MicroBatching,
+                      apply: bool = True):
         self.engine.train(True)
         keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
-        return ppo_update(self.engine, self.optimizer, mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs),
-                          self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.loss_agg_mode, self._loss, "critic", apply)
+        minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
+        metrics, _ = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode, self._loss,
+                                "critic", apply)
+        return metrics

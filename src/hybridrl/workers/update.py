@@ -2,7 +2,8 @@
 
 Each micro-batch loss is weighted by its share of the DP-global mini-batch normaliser (loss tokens
 for token-mean, rows with a loss token for the seq-mean modes), so gradients and reported losses
-are the mini-batch's `algos.agg_loss` whatever the micro-batch split and the DP size.
+are the mini-batch's `algos.agg_loss` whatever the micro-batch split and the DP size: fixed rows or
+a token budget, each micro-batch trimmed to its real columns (`micro_batches.py`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from hybridrl.algos import agg_loss_denominator
 from hybridrl.metrics import mean_of
-from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
+from hybridrl.workers.engine import ModelEngine, dp_sum
+from hybridrl.workers.micro_batches import MicroBatching, plan_micro_batches, scatter_rows, split_rows
 
 
 def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:
@@ -25,19 +27,26 @@ def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engi
     return [s / total if total > 0 else 0.0 for s in sizes]
 
 
-def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], micro_size: int,
-               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True) -> Dict[str, float]:
+def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], batching: MicroBatching,
+               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True):
     """One optimizer step per mini-batch; `loss_fn(output, mb, weight, n_micro) -> (loss, stats)`.
-    apply=False runs the same forwards without backward or step (the dry run)."""
-    history = []
+    apply=False runs the same forwards without backward or step (the dry run).
+
+    Returns (mean metrics over the steps, per step the per-row tensors loss_fn returned under
+    stats["rows"], in the mini-batch's row order at its full response width; empty dicts if none)."""
+    history, rows_per_step = [], []
     for mini in minis:
-        micro = split_micro_batches(mini, micro_size)
+        plan = plan_micro_batches(mini, batching)
+        micro = split_rows(mini, plan)
         weights = iter(global_weights(micro, agg_mode, engine))
         engine.zero_grad()
         optimizer.zero_grad()
         stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(weights), len(micro)), not apply)
+        rows = [s.pop("rows") for s in stats if "rows" in s]
+        width = mini["response_mask"].shape[1]
+        rows_per_step.append({k: scatter_rows([r[k] for r in rows], plan, width) for k in rows[0]} if rows else {})
         history.append(finish_step(engine, optimizer, stats, role, apply))
-    return mean_of(history)
+    return mean_of(history), rows_per_step
 
 
 def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True):

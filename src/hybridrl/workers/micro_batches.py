@@ -1,0 +1,169 @@
+"""Split a batch into micro-batches, cut each to its real columns, and put per-row results back.
+
+Rows are split either by a fixed row count (`*_micro_batch_size_per_gpu`) or, with verl's
+`use_dynamic_bsz`, by a token budget (`*_max_token_len_per_gpu`): rows are sorted by real length
+and packed so that every micro-batch computes at most that many positions (rows x its trimmed
+width, padding included, the quantity that bounds activation memory here), with the fewest
+micro-batches the budget allows and their costs balanced. Sorting keeps rows of similar length
+together, so little padding is left to compute (verl balances real-token sums instead, because it
+packs rows without padding). Either way every micro-batch is trimmed to the columns where at least
+one of its rows holds a real token by `attention_mask`: shared left padding of the prompts and
+shared right padding of the responses are not computed. Results come back per row, in the batch's
+original order, padded to the full response width. No torch.distributed here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+from hybridrl.config import Config, ConfigError
+
+FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
+"""[B, prompt + response] tensors; every other [B, R, ...] tensor is response-aligned."""
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one pass splits its rows: `rows` per micro-batch, or a token budget when max_tokens > 0."""
+    rows: int
+    max_tokens: int = 0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.max_tokens > 0
+
+
+@dataclass(frozen=True)
+class RoleBatching:
+    """The micro-batching of every pass of a step, resolved once from the config."""
+    actor_update: MicroBatching
+    actor_log_prob: MicroBatching
+    ref_log_prob: MicroBatching
+    critic_update: MicroBatching
+    critic_values: MicroBatching
+
+
+def resolve_batching(cfg: Config) -> RoleBatching:
+    """verl's defaults: ref and critic follow actor.use_dynamic_bsz unless set; a ref budget
+    defaults to actor.ppo_max_token_len_per_gpu, the critic's values budget to its update budget."""
+    a, c, r = cfg.actor, cfg.critic, cfg.ref
+    ref_dynamic = a.use_dynamic_bsz if r.log_prob_use_dynamic_bsz is None else r.log_prob_use_dynamic_bsz
+    critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+    budgets = {
+        "actor.ppo_max_token_len_per_gpu": (a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
+        "actor.log_prob_max_token_len_per_gpu": (a.use_dynamic_bsz, a.log_prob_max_token_len_per_gpu),
+        "ref.log_prob_max_token_len_per_gpu": (ref_dynamic, r.log_prob_max_token_len_per_gpu
+                                               or a.ppo_max_token_len_per_gpu),
+        "critic.ppo_max_token_len_per_gpu": (critic_dynamic, c.ppo_max_token_len_per_gpu),
+        "critic.forward_max_token_len_per_gpu": (critic_dynamic, c.forward_max_token_len_per_gpu
+                                                 or c.ppo_max_token_len_per_gpu),
+    }
+    widest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    for key, (dynamic, budget) in budgets.items():
+        if dynamic and budget < widest:
+            raise ConfigError(f"{key}={budget} is below one full row (data.max_prompt_length + "
+                              f"data.max_response_length = {widest}); raise it to at least {widest}")
+    specs = [MicroBatching(rows, budget if dynamic else 0) for rows, (dynamic, budget) in zip(
+        (a.ppo_micro_batch_size_per_gpu, a.log_prob_micro_batch_size_per_gpu, r.log_prob_micro_batch_size_per_gpu,
+         c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size_per_gpu), budgets.values())]
+    return RoleBatching(*specs)
+
+
+# ---- which rows go together ---------------------------------------------------------------
+
+def real_spans(attention_mask: torch.Tensor, response_width: int):
+    """Per row: real columns on the prompt side (counted from the prompt/response boundary to the
+    first real token) and on the response side (from the boundary to the last real token), as lists."""
+    prompt_width = attention_mask.shape[1] - response_width
+    real = attention_mask.bool()
+    prompt, response = real[:, :prompt_width], real[:, prompt_width:]
+    none = torch.zeros_like(real[:, 0], dtype=torch.long)
+    first = torch.where(prompt.any(1), prompt.int().argmax(1), none + prompt_width)
+    last = torch.where(response.any(1), response_width - response.flip(1).int().argmax(1), none)
+    return (prompt_width - first).tolist(), last.tolist()
+
+
+def _pack(order: Sequence[int], spans_p, spans_r, bound: int) -> List[List[int]]:
+    """Consecutive rows of `order` into micro-batches whose rows x width stays within bound."""
+    parts, current, wp, wr = [], [], 1, 1
+    for i in order:
+        p, r = max(wp, spans_p[i]), max(wr, spans_r[i])
+        if current and (len(current) + 1) * (p + r) > bound:
+            parts.append(current)
+            current, p, r = [], max(spans_p[i], 1), max(spans_r[i], 1)
+        current.append(i)
+        wp, wr = p, r
+    return parts + [current] if current else parts
+
+
+def token_budget_plan(spans_p, spans_r, max_tokens: int) -> List[List[int]]:
+    """Longest rows first, packed into the fewest micro-batches within max_tokens, then the
+    smallest per-micro-batch bound that still needs no more of them (balanced costs)."""
+    widths = [max(p, 1) + max(r, 1) for p, r in zip(spans_p, spans_r)]
+    if max(widths) > max_tokens:
+        raise ValueError(f"a row of {max(widths)} tokens does not fit the micro-batch budget of {max_tokens}")
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    count = len(_pack(order, spans_p, spans_r, max_tokens))
+    lo, hi = max(widths), max_tokens  # the fewest parts at hi; find the least bound with as few
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(_pack(order, spans_p, spans_r, mid)) <= count else (mid + 1, hi)
+    return _pack(order, spans_p, spans_r, lo)
+
+
+def plan_micro_batches(batch: Dict[str, torch.Tensor], batching: MicroBatching) -> List[List[int]]:
+    """Row indices of each micro-batch; fixed splits keep consecutive rows, in order."""
+    rows = batch["attention_mask"].shape[0]
+    if not batching.dynamic:
+        size = max(1, batching.rows)
+        return [list(range(i, min(i + size, rows))) for i in range(0, rows, size)]
+    spans_p, spans_r = real_spans(batch["attention_mask"], batch["response_mask"].shape[1])
+    return token_budget_plan(spans_p, spans_r, batching.max_tokens)
+
+
+# ---- cutting and putting back -------------------------------------------------------------
+
+def take_rows(batch: Dict[str, torch.Tensor], rows: List[int]) -> Dict[str, torch.Tensor]:
+    """The micro-batch of `rows`, cut to the columns holding a real token in at least one row."""
+    R = batch["response_mask"].shape[1]
+    P = batch["attention_mask"].shape[1] - R
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    pick = (lambda t: t[rows[0]:rows[0] + len(rows)]) if contiguous else (
+        lambda t: t.index_select(0, torch.as_tensor(rows, device=t.device)))
+    spans_p, spans_r = real_spans(pick(batch["attention_mask"]), R)
+    wp, wr = max(max(spans_p), 1), max(max(spans_r), 1)
+    out = {}
+    for key, value in batch.items():
+        value = pick(value)
+        if key in FULL_WIDTH_KEYS:
+            value = value[:, P - wp:P + wr]
+        elif value.dim() >= 2 and value.shape[1] == R:
+            value = value[:, :wr]
+        out[key] = value
+    return out
+
+
+def split_rows(batch: Dict[str, torch.Tensor], plan: List[List[int]]) -> List[Dict[str, torch.Tensor]]:
+    return [take_rows(batch, rows) for rows in plan]
+
+
+def scatter_rows(parts: List[torch.Tensor], plan: List[List[int]], width: int) -> torch.Tensor:
+    """Per-micro-batch [b, r<=width, ...] results -> one [B, width, ...] tensor in the original row
+    order, zero in the trimmed columns."""
+    rows = sum(len(p) for p in plan)
+    first = parts[0]
+    out = first.new_zeros((rows, width) + tuple(first.shape[2:]))
+    for index, part in zip(plan, parts):
+        out[torch.as_tensor(index, device=part.device), :part.shape[1]] = part
+    return out
+
+
+def run_per_row(engine, batch: Dict[str, torch.Tensor], batching: MicroBatching, loss_fn) -> Dict[str, torch.Tensor]:
+    """A forward-only pass of `engine` over `batch`: every tensor loss_fn returns per micro-batch,
+    put back in row order at the full response width."""
+    plan = plan_micro_batches(batch, batching)
+    parts = engine.run(split_rows(batch, plan), loss_fn, True)
+    width = batch["response_mask"].shape[1]
+    return {key: scatter_rows([p[key] for p in parts], plan, width) for key in parts[0]}
