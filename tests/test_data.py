@@ -154,6 +154,18 @@ def test_dp_sharding_is_disjoint_equal_and_covering(tmp_path, tok, dp_size):
         assert torch.equal(torch.cat([p.input_ids for p in parts]), ref.input_ids)
 
 
+def test_batch_width_is_the_global_batch_longest_prompt(tmp_path, tok):
+    """The prompt side is cut to the longest prompt of each global batch (the same on every DP
+    rank), not padded to data.max_prompt_length; the workers trim each micro-batch further."""
+    rows = [row("1+1=", i=i) for i in range(4)] + [row("123+45=", i=4)] + [row("1+2=", i=i) for i in range(5, 8)]
+    ds = PromptDataset(write(tmp_path / "w.parquet", rows), tok, DataConfig(max_prompt_length=32))
+    widths = [[b.input_ids.shape[1] for b in PromptLoader(ds, 4, r, 2, shuffle=False)] for r in range(2)]
+    assert widths == [[4, 7], [4, 7]]  # batch 1: all 4 tokens; batch 2 holds the 7-token prompt
+    # rank 1's half of batch 2 has only 4-token prompts and is padded to the global longest
+    short_half = list(PromptLoader(ds, 4, 1, 2, shuffle=False))[1]
+    assert short_half.attention_mask.sum(1).tolist() == [4, 4] and short_half.input_ids.shape[1] == 7
+
+
 def test_loader_size_errors(tmp_path, tok):
     ds = PromptDataset(arith_file(tmp_path, 6), tok, DataConfig())
     with pytest.raises(DataError, match="not divisible by the data parallel size 4"):

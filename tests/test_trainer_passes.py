@@ -1,0 +1,69 @@
+"""The trainer's passes: old log-probs from the actor update's own forward equal a separate pass
+(same step metrics, same parameters), and the separate pass stays wherever the math needs it."""
+import os
+
+import pytest
+import torch
+
+from dist_helper import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+
+
+def _overrides(tmp, extra=()):
+    return ["data.train_batch_size=4", "rollout.n=2", "data.max_response_length=6", "actor.ppo_mini_batch_size=4",
+            "critic.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor.log_prob_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=gae", "trainer.progress_bar=false",
+            f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/test.parquet]",
+            f"trainer.default_local_dir={tmp}/ckpt", "rollout.free_cache_engine=false"] + list(extra)
+
+
+def _two_trainers(tmp, extra):
+    """One step of the same batch on two trainers built alike: the first takes its old log-probs
+    from the update (when the config allows), the second always runs the separate pass."""
+    from hybridrl.config_io import load_config
+    from hybridrl.rewards import RewardManager
+    from hybridrl.roles import build_roles
+    from hybridrl.trainer import PPOTrainer
+    from hybridrl.trainer_loop import _setup
+
+    cfg = load_config(TINY, _overrides(tmp, extra))
+    _, tok, layout, groups, loader, _ = _setup(cfg)
+    prompts = next(iter(loader))
+    out = []
+    for own in (True, False):
+        trainer = PPOTrainer(cfg, layout, groups, tok, build_roles(cfg, groups, tok, 4), RewardManager(cfg.reward), None)
+        allowed = trainer.old_log_prob_from_update
+        trainer.old_log_prob_from_update = own and allowed
+        trainer.sync_rollout_weights()
+        metrics = trainer.train_step(prompts, 1)
+        params = [p.detach().clone() for p in trainer.actor.engine.module.parameters()]
+        out.append(dict(allowed=allowed, metrics=metrics, params=params))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_own_old_log_probs_give_the_two_pass_step(tmp_path, world):
+    own, two = run_distributed(_two_trainers, world, str(tmp_path), [])[0]
+    assert own["allowed"], "ppo_epochs 1, one mini-batch, no KL in reward: the update's forward is used"
+    assert "timing_s/old_log_prob" not in own["metrics"] and "timing_s/old_log_prob" in two["metrics"]
+    keys = {k for k in two["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))}
+    assert keys <= set(own["metrics"])
+    for key in sorted(keys):
+        a, b = own["metrics"][key], two["metrics"][key]
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (key, a, b)
+    for a, b in zip(own["params"], two["params"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert own["metrics"]["actor/ppo_kl"] == 0.0
+
+
+@pytest.mark.parametrize("extra", [["algorithm.use_kl_in_reward=true"], ["actor.ppo_epochs=2"],
+                                   ["actor.ppo_mini_batch_size=2"], ["actor.rollout_is_threshold=2.0"]])
+def test_separate_old_log_prob_pass_where_needed(tmp_path, extra):
+    from hybridrl.config_io import load_config
+    from hybridrl.layout import derive_layout
+    from hybridrl.workers.actor import old_log_prob_from_update
+
+    cfg = load_config(TINY, _overrides(tmp_path, extra))
+    assert not old_log_prob_from_update(cfg, derive_layout(cfg, 1, vocab_size=64))
