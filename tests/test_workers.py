@@ -205,8 +205,14 @@ def _split_run(folder, tp, pp):
         out[name]["critic"] = c.update_critic(dict(batch, values=out[name]["values"]), rows, batching)
         out[name]["critic_params"] = _params(c.engine.module)
     one = actor()
-    metrics, old, ent = one.update_policy_one_step(batch, dynamic)
-    out["one_step"] = dict(params=_params(one.engine.module), old=old, entropy=ent, metrics=metrics)
+    own = dict(batch)  # no "old_log_probs": the update's forward fills them in
+    metrics = one.update_policy(own, rows, dynamic)
+    out["one_step"] = dict(params=_params(one.engine.module), old=own["old_log_probs"], entropy=own["old_entropy"],
+                           metrics=metrics)
+    try:
+        one.update_policy(dict(batch), rows // 2, dynamic)
+    except ValueError as e:
+        out["refused"] = str(e)
     if tp == pp == 1:  # entropy without autograd when entropy_coeff is 0
         for coeff in (0.0, 1e-3):
             a = actor(coeff)
@@ -246,6 +252,7 @@ def _check_splits(out):
     for key, value in dynamic["metrics"].items():
         _close(one["metrics"][key], value, key)
     assert one["metrics"]["actor/ppo_kl"] == 0.0 and one["metrics"]["actor/pg_clipfrac"] == 0.0
+    assert "one optimizer step" in out["refused"]  # two mini-batches need the separate pass
 
 
 def test_token_budget_and_own_old_log_probs_match_fixed_two_pass(split_single):

@@ -71,8 +71,8 @@ class PPOTrainer:
         if not own_old:
             with t("old_log_prob"):
                 self.hybrid.enter("old_log_prob")
-                batch["old_log_probs"], entropy = self.actor.compute_log_prob(batch, self.batching.actor_log_prob,
-                                                                              with_entropy=True)
+                batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_prob(
+                    batch, self.batching.actor_log_prob, with_entropy=True)
         if self.ref is not None:
             with t("ref"):
                 self.hybrid.enter("ref")
@@ -89,21 +89,16 @@ class PPOTrainer:
                 self.hybrid.enter("update_critic")
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
                                                          self.batching.critic_update, apply=update))
-        if actor_steps:
+        if actor_steps:  # with own_old, the update's forward also gives batch["old_log_probs"]
             with t("update_actor"):
                 self.hybrid.enter("update_actor")
-                if own_old:  # the update's forward also gives the old log-probs
-                    actor_metrics, batch["old_log_probs"], entropy = self.actor.update_policy_one_step(
-                        batch, self.batching.actor_update, apply=update)
-                else:
-                    actor_metrics = self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
-                                                             self.batching.actor_update, apply=update)
-                metrics.update(actor_metrics)
+                metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
+                                                        self.batching.actor_update, apply=update))
         if update:
             with t("update_weights"):
                 self.sync_rollout_weights()
         t.seconds["step"] = time.perf_counter() - step_start
-        metrics.update(self.rollout_metrics(batch, entropy))
+        metrics.update(self.rollout_metrics(batch, batch["old_entropy"]))
         metrics.update(t.metrics())
         return metrics
 

@@ -124,24 +124,24 @@ class ActorWorker(LogProbWorker):
         return scaled, out
 
     def update_policy(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, batching: MicroBatching,
-                      apply: bool = True):
+                      apply: bool = True) -> Dict[str, float]:
         """ppo_epochs passes over mini-batches; mean metrics over optimizer steps. apply=False
-        computes the same losses without backward or update (the dry run)."""
+        computes the same losses without backward or update (the dry run).
+
+        Without batch["old_log_probs"] this must be one optimizer step (ppo_epochs 1, one mini-batch):
+        it starts from the policy that the old log-probs are about, so its own forward gives them
+        exactly; they are stored in batch["old_log_probs"], their entropy in batch["old_entropy"]."""
         self.engine.train(True)
+        own_old = "old_log_probs" not in batch
+        rows = batch["response_mask"].shape[0]
+        if own_old and (self.cfg.ppo_epochs != 1 or mini_batch_rows < rows):
+            raise ValueError("old log-probs can come from the update's forward only for one optimizer step "
+                             f"(ppo_epochs={self.cfg.ppo_epochs}, {rows} rows in mini-batches of {mini_batch_rows}); "
+                             "compute them with compute_log_prob first")
         keys = [k for k in UPDATE_KEYS if k in batch]
         minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
-        metrics, _ = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
-                                self._loss, "actor", apply)
+        metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
+                                       self._loss, "actor", apply)
+        if own_old:
+            batch["old_log_probs"], batch["old_entropy"] = per_step[0]["log_probs"], per_step[0]["entropy"]
         return metrics
-
-    def update_policy_one_step(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, apply: bool = True):
-        """One optimizer step over the whole batch (ppo_epochs 1, one mini-batch) without
-        batch["old_log_probs"]: the policy that generated the old log-probs is the one this step
-        starts from, so its forward gives them exactly and no separate pass is needed.
-        Returns (metrics, old log-probs [B, R], entropy [B, R]), as compute_log_prob would."""
-        self.engine.train(True)
-        keys = [k for k in UPDATE_KEYS if k in batch and k != "old_log_probs"]
-        rows = batch["response_mask"].shape[0]
-        metrics, per_step = ppo_update(self.engine, self.optimizer, mini_batches(batch, keys, rows, 1),
-                                       batching, self.cfg.loss_agg_mode, self._loss, "actor", apply)
-        return metrics, per_step[0]["log_probs"], per_step[0]["entropy"]
