@@ -1,8 +1,8 @@
-"""hybridrl side of bench_grpo_vs_trl.py: the trainer on tiny_cpu.yaml + overrides, 2 threads.
+"""hybridrl side of the benchmarks against TRL: the trainer on tiny_cpu.yaml + overrides, 2 threads.
 
-    .venv/bin/python benchmarks/grpo_hybridrl_side.py key=value ...
+    python benchmarks/hybridrl_side.py key=value ...
 
-One process, world 1 (set MASTER_PORT to a free port). The orchestrator reads timing_s/step back
+One process, world 1 (set MASTER_PORT to a free port). The orchestrator reads timing_s/* back
 from the TensorBoard files under trainer.log_dir.
 """
 import os

@@ -1,0 +1,183 @@
+"""What bench_grpo_vs_trl.py and bench_ppo_vs_trl.py share: running both sides, reading their step
+times, the report tables, and the matmul-only (FLOP-bound) time of the training passes.
+
+hybridrl runs in the interpreter that runs the benchmark (`hybridrl_side.py`, this checkout's src/
+first on the path, timing_s/* read back from TensorBoard); TRL runs in a side environment given
+by --trl-python. The first step of every run is warm-up and is skipped.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import benchlib as bl
+
+
+def env() -> dict:
+    from dist_helper import free_port
+
+    path = os.pathsep.join([os.path.join(bl.ROOT, "src"), os.path.join(bl.ROOT, "benchmarks")])
+    return dict(os.environ, OMP_NUM_THREADS="2", MASTER_PORT=str(free_port()), PYTHONPATH=path)
+
+
+def read_scalars(folder: str) -> dict:
+    """{tag: {step: value}} from the TensorBoard event files under folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def common_overrides(run_dir: str, steps: int) -> list:
+    w = bl.WORK
+    return [f"model.path={bl.bench_model_folder()}", f"data.tokenizer={bl.bench_tokenizer_folder()}",
+            f"data.train_files=[{w}/data/train.parquet]", f"data.val_files=[{w}/data/test.parquet]",
+            f"reward.custom_function.path={bl.ROOT}/benchmarks/trivial_reward.py",
+            f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
+            "trainer.progress_bar=false", "trainer.logger=[tensorboard]", "trainer.save_freq=0",
+            "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}/ckpt", f"trainer.log_dir={run_dir}/tb"]
+
+
+def run_hybridrl(run_dir: str, steps: int, overrides: list, stages) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, os.path.join(bl.ROOT, "benchmarks", "hybridrl_side.py")]
+    proc = subprocess.run(cmd + common_overrides(run_dir, steps) + overrides, cwd=bl.ROOT, env=env(),
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"hybridrl side failed:\n{proc.stderr[-3000:]}")
+    s = read_scalars(os.path.join(run_dir, "tb"))
+    keep = range(2, steps + 1)
+    return {"step_s": [s["timing_s/step"][i] for i in keep], "completion_len": [s["response_length/mean"][i] for i in keep],
+            "stages": {k: [s[f"timing_s/{k}"][i] for i in keep] for k in stages if f"timing_s/{k}" in s}}
+
+
+def prompts_json() -> str:
+    """The hybridrl side's synthetic arith prompts, as TRL's plain-text prompts (the same tokens)."""
+    from hybridrl.data_synthetic import arith_rows
+
+    os.makedirs(bl.WORK, exist_ok=True)
+    path = os.path.join(bl.WORK, "trl_prompts.json")
+    with open(path, "w") as f:
+        json.dump([r["prompt"][0]["content"] for r in arith_rows(2000, 1, "train")], f)
+    return path
+
+
+def run_trl(trl_python: str, script: str, args: list, stage_names: dict) -> dict:
+    """The TRL side prints one JSON line last: step_s, completion_len and one list per stage key."""
+    cmd = [trl_python, os.path.join(bl.ROOT, "benchmarks", script)] + [str(a) for a in args]
+    proc = subprocess.run(cmd, cwd=bl.ROOT, env=env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"TRL side failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"step_s": out["step_s"][1:], "completion_len": out["completion_len"][1:],
+            "stages": {label: out[key][1:] for key, label in stage_names.items()}}
+
+
+def trl_versions(trl_python: str) -> str:
+    code = "import trl, accelerate, transformers; print(trl.__version__, accelerate.__version__, transformers.__version__)"
+    trl, acc, tf = subprocess.run([trl_python, "-c", code], capture_output=True, text=True).stdout.split()
+    return f"TRL {trl}, accelerate {acc}, transformers {tf} (in {os.path.dirname(os.path.dirname(trl_python))})"
+
+
+def check_trl_python(trl_python: str, version: str) -> None:
+    if not os.path.exists(trl_python):
+        raise SystemExit(f"no TRL environment at {trl_python}: python3 -m venv <dir> && <dir>/bin/pip install "
+                         f"torch==2.13.0 -r requirements.txt -r requirements-bench.txt trl=={version}, "
+                         "then pass --trl-python <dir>/bin/python")
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def pooled(runs: list, side: str) -> float:
+    return bl.median([t for r in runs for t in r[side]["step_s"]])
+
+
+def round_table(runs: list) -> str:
+    rows = [[i + 1, f"{bl.median(r['hybridrl']['step_s']):.3f}", f"{bl.median(r['trl']['step_s']):.3f}",
+             f"{bl.median(r['hybridrl']['step_s']) / bl.median(r['trl']['step_s']):.2f}x"] for i, r in enumerate(runs)]
+    h, t = pooled(runs, "hybridrl"), pooled(runs, "trl")
+    rows.append(["all", f"**{h:.3f}**", f"**{t:.3f}**", f"**{h / t:.2f}x**"])
+    return bl.table(["round", "hybridrl s/step", "TRL s/step", "hybridrl / TRL"], rows)
+
+
+def stage_medians(runs: list, side: str) -> dict:
+    return {k: bl.median([x for r in runs for x in r[side]["stages"][k]]) for k in runs[0][side]["stages"]}
+
+
+def stage_table(runs: list) -> str:
+    rows = []
+    for side, label in (("hybridrl", "hybridrl"), ("trl", "TRL")):
+        total = pooled(runs, side)
+        for k, v in stage_medians(runs, side).items():
+            rows.append([label, k, f"{v:.3f}", f"{100 * v / total:.0f}%"])
+    return bl.table(["side", "stage", "s", "share of step"], rows)
+
+
+def verdict(runs: list, target: float = 0.5) -> tuple:
+    ratio = pooled(runs, "hybridrl") / pooled(runs, "trl")
+    return ratio, ("met" if ratio <= target else f"missed: {ratio / target:.1f}x off the target")
+
+
+def lengths(runs: list) -> str:
+    seen = {side: sorted({round(x, 2) for r in runs for x in r[side]["completion_len"]}) for side in ("hybridrl", "trl")}
+    return f"hybridrl {seen['hybridrl']}, TRL {seen['trl']}"
+
+
+# ---- FLOP-bound time ---------------------------------------------------------------------------
+
+def _gemm_s(m: int, k: int, n: int, reps: int = 9) -> float:
+    """Median seconds of one [m, k] @ [k, n] fp32 matmul on this machine (2 threads)."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return bl.median(times)
+
+
+@functools.lru_cache(maxsize=None)  # one figure per pass shape, the same for both sides
+def matmul_seconds(sequences: int, seq_len: int, lm_head: bool = True, backward: bool = False) -> float:
+    """The matmuls of one forward (with backward: x3, data and weight gradients timed as their own
+    shapes) of the bench model over sequences x seq_len tokens: projections, attention scores and
+    values per head, and the LM head (or the critic's [H, 1] value head). No other op is counted."""
+    import torch
+
+    torch.set_num_threads(2)
+    m = bl.BENCH_MODEL
+    h, heads, kv, inter = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"], m["intermediate_size"]
+    d, tokens = h // heads, sequences * seq_len
+    linears = [(h, (heads + 2 * kv) * d), (heads * d, h), (h, 2 * inter), (inter, h)] * m["num_hidden_layers"]
+    linears.append((h, m["vocab_size"] if lm_head else 1))
+    total = 0.0
+    for k, n in linears:
+        total += _gemm_s(tokens, k, n)
+        if backward:
+            total += _gemm_s(tokens, n, k) + _gemm_s(k, tokens, n)  # dX = dY W^T, dW = X^T dY
+    per_layer_attention = sequences * heads * (_gemm_s(seq_len, d, seq_len) + _gemm_s(seq_len, seq_len, d))
+    total += per_layer_attention * m["num_hidden_layers"] * (3 if backward else 1)
+    return total
+
+
+def bound_table(passes: dict, measured: dict) -> str:
+    """passes: side -> [(label, sequences, seq_len, lm_head, backward)]; measured: side -> training s."""
+    rows = []
+    for side, items in passes.items():
+        bound = sum(matmul_seconds(s, t, head, bwd) for _, s, t, head, bwd in items)
+        names = " + ".join(label for label, *_ in items)
+        rows.append([side, names, f"{measured[side]:.3f}", f"{bound:.3f}", f"{measured[side] / bound:.1f}x"])
+    return bl.table(["side", "training passes (matmuls timed)", "measured s", "matmul-only s", "measured / bound"], rows)
