@@ -10,7 +10,6 @@ fp32, 2 threads, the trivial reward of trivial_reward.py. hybridrl runs in this 
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 import benchlib as bl
@@ -50,26 +49,10 @@ def report(runs: list, rounds: int, steps: int, trl_python: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--trl-python", default=os.path.join(bl.ROOT, ".venv-bench", "bin", "python"))
-    p.add_argument("--no-write", action="store_true")
-    args = p.parse_args()
+    args = tc.parse_args(__doc__, os.path.join(bl.ROOT, ".venv-bench", "bin", "python"))
     tc.check_trl_python(args.trl_python, "1.16.0")
-    prompts = tc.prompts_json()
-    runs = []
-    for i in range(args.rounds):
-        hyb = tc.run_hybridrl(os.path.join(bl.WORK, f"grpo_hybridrl_{i}"), args.steps, hybridrl_overrides(), STAGES)
-        trl_dir = os.path.join(bl.WORK, f"grpo_trl_{i}")
-        trl = tc.run_trl(args.trl_python, "grpo_trl_side.py", [bl.bench_model_folder(), bl.bench_tokenizer_folder(),
-                                                              prompts, trl_dir, args.steps, LR], TRL_STAGES)
-        runs.append({"hybridrl": hyb, "trl": trl})
-        print(f"round {i + 1}: hybridrl {hyb['step_s']} TRL {trl['step_s']}", flush=True)
-    text = report(runs, args.rounds, args.steps, args.trl_python)
-    print(text)
-    if not args.no_write:
-        bl.write_section("grpo", text)
+    runs = tc.alternate("grpo", args, hybridrl_overrides(), STAGES, "grpo_trl_side.py", TRL_STAGES, LR)
+    tc.publish("grpo", report(runs, args.rounds, args.steps, args.trl_python), args.no_write)
 
 
 if __name__ == "__main__":

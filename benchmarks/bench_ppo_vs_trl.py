@@ -12,10 +12,6 @@ TRL 1.0.0 ships `trl.experimental.ppo` (1.16 does not): --trl-python points at t
 """
 from __future__ import annotations
 
-import argparse
-import os
-
-import benchlib as bl
 import trl_compare as tc
 
 LR = 1e-5
@@ -63,26 +59,10 @@ def report(runs: list, rounds: int, steps: int, trl_python: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--trl-python", default="/work/venvs/trl100/bin/python")
-    p.add_argument("--no-write", action="store_true")
-    args = p.parse_args()
+    args = tc.parse_args(__doc__, "/work/venvs/trl100/bin/python")
     tc.check_trl_python(args.trl_python, "1.0.0")
-    prompts = tc.prompts_json()
-    runs = []
-    for i in range(args.rounds):
-        hyb = tc.run_hybridrl(os.path.join(bl.WORK, f"ppo_hybridrl_{i}"), args.steps, hybridrl_overrides(), STAGES)
-        trl = tc.run_trl(args.trl_python, "ppo_trl_side.py", [bl.bench_model_folder(), bl.bench_tokenizer_folder(),
-                                                             prompts, os.path.join(bl.WORK, f"ppo_trl_{i}"),
-                                                             args.steps, LR], TRL_STAGES)
-        runs.append({"hybridrl": hyb, "trl": trl})
-        print(f"round {i + 1}: hybridrl {hyb['step_s']} TRL {trl['step_s']}", flush=True)
-    text = report(runs, args.rounds, args.steps, args.trl_python)
-    print(text)
-    if not args.no_write:
-        bl.write_section("ppo", text)
+    runs = tc.alternate("ppo", args, hybridrl_overrides(), STAGES, "ppo_trl_side.py", TRL_STAGES, LR)
+    tc.publish("ppo", report(runs, args.rounds, args.steps, args.trl_python), args.no_write)
 
 
 if __name__ == "__main__":

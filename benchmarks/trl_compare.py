@@ -97,6 +97,35 @@ def check_trl_python(trl_python: str, version: str) -> None:
                          "then pass --trl-python <dir>/bin/python")
 
 
+def parse_args(doc: str, trl_python: str):
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--trl-python", default=trl_python, help="python of the side environment with TRL")
+    p.add_argument("--no-write", action="store_true")
+    return p.parse_args()
+
+
+def alternate(name: str, args, overrides: list, stages, trl_script: str, trl_stages: dict, lr: float) -> list:
+    """args.rounds rounds of (hybridrl run, TRL run), args.steps steps each, on the same prompts."""
+    prompts, runs = prompts_json(), []
+    for i in range(args.rounds):
+        hyb = run_hybridrl(os.path.join(bl.WORK, f"{name}_hybridrl_{i}"), args.steps, overrides, stages)
+        trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
+                    os.path.join(bl.WORK, f"{name}_trl_{i}"), args.steps, lr]
+        runs.append({"hybridrl": hyb, "trl": run_trl(args.trl_python, trl_script, trl_args, trl_stages)})
+        print(f"round {i + 1}: hybridrl {hyb['step_s']} TRL {runs[-1]['trl']['step_s']}", flush=True)
+    return runs
+
+
+def publish(name: str, text: str, no_write: bool) -> None:
+    print(text)
+    if not no_write:
+        bl.write_section(name, text)
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 def pooled(runs: list, side: str) -> float:

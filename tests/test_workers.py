@@ -149,17 +149,16 @@ def _saved_bytes(fn):
     return total[0], out
 
 
-def _split_run(folder, tp, pp):
+def _split_run(folder, tp, pp, agg_mode):
     """Same layout, same start: fixed vs token-budget micro-batches (actor and critic), and the
     two-pass actor step vs the one whose forward gives the old log-probs."""
     import dataclasses
 
-    from hybridrl.config import ActorConfig, CriticConfig, OptimConfig
+    from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
     from hybridrl.roles import _trainable
-    from hybridrl.config import Config
     from hybridrl.step_batch import local_slice
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
@@ -172,8 +171,8 @@ def _split_run(folder, tp, pp):
     # itself (~1e-8) moves by ~lr/2 either way. eps 1e-3 keeps parameters a faithful image of
     # the gradients, so fp32 round-off in them stays round-off in the parameters.
     optim = OptimConfig(lr=1e-2, eps=1e-3)
-    acfg = ActorConfig(optim=optim, loss_agg_mode="seq-mean-token-mean")
-    ccfg = CriticConfig(optim=optim)
+    acfg = ActorConfig(optim=optim, loss_agg_mode=agg_mode)
+    ccfg = CriticConfig(optim=optim, loss_agg_mode=agg_mode)
     cfg = Config(actor=acfg, critic=ccfg)
     fixed, dynamic = MicroBatching(FIXED), MicroBatching(FIXED, BUDGET)
 
@@ -193,13 +192,12 @@ def _split_run(folder, tp, pp):
     batch = {k: local_slice(v, groups) for k, v in full.items() if k != "old_log_probs"}
     rows = B // groups.dp
     out = {"dp_rank": groups.dp_rank}
-    two_pass = {}
     for name, batching in (("fixed", fixed), ("dynamic", dynamic)):
         a = actor()
         out.setdefault("start", _params(a.engine.module))
         old, ent = a.compute_log_prob(batch, batching, with_entropy=True)
-        two_pass[name] = a.update_policy(dict(batch, old_log_probs=old), rows, batching)
-        out[name] = dict(params=_params(a.engine.module), old=old, entropy=ent, metrics=two_pass[name])
+        metrics = a.update_policy(dict(batch, old_log_probs=old), rows, batching)
+        out[name] = dict(params=_params(a.engine.module), old=old, entropy=ent, metrics=metrics)
         c = critic()
         out[name]["values"] = c.compute_values(batch, batching)
         out[name]["critic"] = c.update_critic(dict(batch, values=out[name]["values"]), rows, batching)
@@ -224,7 +222,7 @@ def _split_run(folder, tp, pp):
 
 @pytest.fixture(scope="module")
 def split_single(hf_folder):
-    return run_distributed(_split_run, 1, hf_folder, 1, 1)[0]
+    return run_distributed(_split_run, 1, hf_folder, 1, 1, "token-mean")[0]
 
 
 def _close(a, b, key):
@@ -275,8 +273,10 @@ def _trimmed_response_tokens():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
-def test_token_budget_matches_fixed_at_tp_pp_dp(hf_folder, tp, pp):
-    outs = run_distributed(_split_run, 2, hf_folder, tp, pp)
+@pytest.mark.parametrize("tp,pp,agg_mode", [(2, 1, "seq-mean-token-mean"), (1, 2, "token-mean"),
+                                            (1, 1, "token-mean"), (1, 1, "seq-mean-token-sum")])
+def test_token_budget_matches_fixed_at_tp_pp_dp(hf_folder, tp, pp, agg_mode):
+    """Each DP rank of (1, 1) makes its own number of micro-batches; the normaliser stays global."""
+    outs = run_distributed(_split_run, 2, hf_folder, tp, pp, agg_mode)
     for out in outs:
         _check_splits(out)

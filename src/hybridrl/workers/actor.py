@@ -17,7 +17,7 @@ from hybridrl.config import ActorConfig, Config
 from hybridrl.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.workers.micro_batches import MicroBatching, run_per_row
-from hybridrl.workers.update import ppo_update
+from hybridrl.workers.update import Share, ppo_update
 
 
 def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
@@ -97,7 +97,7 @@ class ActorWorker(LogProbWorker):
         return algos.policy_loss(old_log_probs, log_probs, mb["advantages"], mask, cfg.clip_ratio_low,
                                  cfg.clip_ratio_high, cfg.clip_ratio_c, **common)
 
-    def _loss(self, output, mb, weight: float, n_micro: int):
+    def _loss(self, output, mb, share: Share, n_micro: int):
         cfg = self.cfg
         mask = mb["response_mask"]
         log_probs, entropy = self._token_stats(output, mb, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
@@ -108,16 +108,17 @@ class ActorWorker(LogProbWorker):
         pg_loss, stats = self._policy_loss(mb, log_probs, old_log_probs)
         ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, self.loss_scale_factor)
         loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff != 0 else pg_loss
-        metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item(),
-                   **{f"actor/{k}": float(v) for k, v in stats.items()}}
+        metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()}
         if cfg.use_kl_loss:
             kl = algos.agg_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_loss_type), mask,
                                 cfg.loss_agg_mode, self.loss_scale_factor)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
-        metrics = {k: v * weight for k, v in metrics.items()}  # summed over micro-batches and DP later
+        # summed over micro-batches and DP later: losses by their normaliser, token means by tokens
+        metrics = {k: v * share.loss for k, v in metrics.items()}
+        metrics.update({f"actor/{k}": float(v) * share.tokens for k, v in stats.items()})
         # The schedule divides by n_micro and DDP averages over DP: undo both for a global mean.
-        scaled = loss * weight * n_micro * self.engine.groups.dp
+        scaled = loss * share.loss * n_micro * self.engine.groups.dp
         out = {**metrics, "finite": torch.isfinite(loss).item()}
         if own_old:
             out["rows"] = {"log_probs": old_log_probs, "entropy": entropy.detach()}

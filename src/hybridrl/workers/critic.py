@@ -9,7 +9,7 @@ from hybridrl import algos
 from hybridrl.config import CriticConfig
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.workers.micro_batches import MicroBatching, run_per_row
-from hybridrl.workers.update import ppo_update
+from hybridrl.workers.update import Share, ppo_update
 
 
 def response_values(values: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -35,14 +35,15 @@ class CriticWorker:
         keys = ("input_ids", "attention_mask", "response_mask")
         return run_per_row(self.engine, {k: batch[k] for k in keys}, batching, loss_fn)["values"]
 
-    def _loss(self, output, mb, weight: float, n_micro: int):
+    def _loss(self, output, mb, share: Share, n_micro: int):
         mask = mb["response_mask"]
         values = response_values(output, mask.shape[1])
         vf_loss, clipfrac = algos.value_loss(values, mb["values"], mb["returns"], mask, self.cfg.cliprange_value,
                                              self.cfg.loss_agg_mode, self.loss_scale_factor)
-        metrics = {"critic/vf_loss": vf_loss.item() * weight, "critic/vf_clipfrac": float(clipfrac) * weight,
-                   "critic/vpred_mean": algos.masked_mean(values, mask).item() * weight}
-        scaled = vf_loss * weight * n_micro * self.engine.groups.dp
+        # summed over micro-batches and DP later: the loss by its normaliser, token means by tokens
+        metrics = {"critic/vf_loss": vf_loss.item() * share.loss, "critic/vf_clipfrac": float(clipfrac) * share.tokens,
+                   "critic/vpred_mean": algos.masked_mean(values, mask).item() * share.tokens}
+        scaled = vf_loss * share.loss * n_micro * self.engine.groups.dp
         return scaled, {**metrics, "finite": torch.isfinite(vf_loss).item()}
 
     def update_critic(self, batch: Dict[str, torch.Tensor], mini_batch_rows: int, batching: MicroBatching,

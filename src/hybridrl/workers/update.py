@@ -7,6 +7,7 @@ a token budget, each micro-batch trimmed to its real columns (`micro_batches.py`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List
 
 import torch
@@ -27,9 +28,17 @@ def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engi
     return [s / total if total > 0 else 0.0 for s in sizes]
 
 
+@dataclass(frozen=True)
+class Share:
+    """A micro-batch's part of its DP-global mini-batch: of the loss normaliser (by loss_agg_mode),
+    and of the response tokens (token-level statistics such as clip fractions average by this)."""
+    loss: float
+    tokens: float
+
+
 def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], batching: MicroBatching,
                agg_mode: str, loss_fn: Callable, role: str, apply: bool = True):
-    """One optimizer step per mini-batch; `loss_fn(output, mb, weight, n_micro) -> (loss, stats)`.
+    """One optimizer step per mini-batch; `loss_fn(output, mb, share, n_micro) -> (loss, stats)`.
     apply=False runs the same forwards without backward or step (the dry run).
 
     Returns (mean metrics over the steps, per step the per-row tensors loss_fn returned under
@@ -38,10 +47,11 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
     for mini in minis:
         plan = plan_micro_batches(mini, batching)
         micro = split_rows(mini, plan)
-        weights = iter(global_weights(micro, agg_mode, engine))
+        shares = iter([Share(w, t) for w, t in zip(global_weights(micro, agg_mode, engine),
+                                                   global_weights(micro, "token-mean", engine))])
         engine.zero_grad()
         optimizer.zero_grad()
-        stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(weights), len(micro)), not apply)
+        stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(shares), len(micro)), not apply)
         rows = [s.pop("rows") for s in stats if "rows" in s]
         width = mini["response_mask"].shape[1]
         rows_per_step.append({k: scatter_rows([r[k] for r in rows], plan, width) for k in rows[0]} if rows else {})
