@@ -10,7 +10,7 @@ import torch
 from hybridrl.config import ActorConfig, Config, ConfigError, CriticConfig, DataConfig, RefConfig
 from hybridrl.layout import derive_layout
 from hybridrl.workers.micro_batches import (MicroBatching, plan_micro_batches, real_spans, resolve_batching,
-                                            scatter_rows, split_rows, take_rows, token_budget_plan)
+                                            scatter_rows, split_rows, token_budget_plan)
 
 P, R = 6, 5
 
@@ -30,9 +30,8 @@ def _batch(prompt_len, resp_len, tool_gap=None):
             "advantages": torch.randn(len(pl), R) * rmask}
 
 
-def _cost(batch, rows):
-    p, r = real_spans(batch["attention_mask"][rows], R)
-    return len(rows) * (max(max(p), 1) + max(max(r), 1))
+def take_rows(batch, rows):
+    return split_rows(batch, [rows])[0]
 
 
 def test_real_spans_follow_attention_not_loss_mask():

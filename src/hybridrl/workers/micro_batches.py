@@ -125,28 +125,30 @@ def plan_micro_batches(batch: Dict[str, torch.Tensor], batching: MicroBatching) 
 
 # ---- cutting and putting back -------------------------------------------------------------
 
-def take_rows(batch: Dict[str, torch.Tensor], rows: List[int]) -> Dict[str, torch.Tensor]:
-    """The micro-batch of `rows`, cut to the columns holding a real token in at least one row."""
+def split_rows(batch: Dict[str, torch.Tensor], plan: List[List[int]]) -> List[Dict[str, torch.Tensor]]:
+    """The micro-batch of each row list, cut to the columns holding a real token in one of its rows."""
     R = batch["response_mask"].shape[1]
     P = batch["attention_mask"].shape[1] - R
-    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-    pick = (lambda t: t[rows[0]:rows[0] + len(rows)]) if contiguous else (
-        lambda t: t.index_select(0, torch.as_tensor(rows, device=t.device)))
-    spans_p, spans_r = real_spans(pick(batch["attention_mask"]), R)
-    wp, wr = max(max(spans_p), 1), max(max(spans_r), 1)
-    out = {}
-    for key, value in batch.items():
-        value = pick(value)
-        if key in FULL_WIDTH_KEYS:
-            value = value[:, P - wp:P + wr]
-        elif value.dim() >= 2 and value.shape[1] == R:
-            value = value[:, :wr]
-        out[key] = value
+    spans_p, spans_r = real_spans(batch["attention_mask"], R)  # one host read for all micro-batches
+    out = []
+    for rows in plan:
+        wp, wr = max(max(spans_p[i] for i in rows), 1), max(max(spans_r[i] for i in rows), 1)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))  # then a view, no copy
+        index = None if consecutive else torch.as_tensor(rows, device=batch["attention_mask"].device)
+        mb = {}
+        for key, value in batch.items():
+            value = value[rows[0]:rows[0] + len(rows)] if index is None else value.index_select(0, index)
+            mb[key] = _columns(key, value, P, R, wp, wr)
+        out.append(mb)
     return out
 
 
-def split_rows(batch: Dict[str, torch.Tensor], plan: List[List[int]]) -> List[Dict[str, torch.Tensor]]:
-    return [take_rows(batch, rows) for rows in plan]
+def _columns(key: str, value: torch.Tensor, P: int, R: int, wp: int, wr: int) -> torch.Tensor:
+    if key in FULL_WIDTH_KEYS:
+        return value[:, P - wp:P + wr]
+    if value.dim() >= 2 and value.shape[1] == R:
+        return value[:, :wr]
+    return value
 
 
 def scatter_rows(parts: List[torch.Tensor], plan: List[List[int]], width: int) -> torch.Tensor:
