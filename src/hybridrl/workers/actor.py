@@ -7,7 +7,6 @@ split into micro-batches or DP shards. The policy loss is `actor.policy_loss.los
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict
 
 import torch
@@ -44,9 +43,10 @@ class LogProbWorker:
         log_probs = vocab_parallel_log_probs(logits, mb["responses"], tp_group, self.vocab_size)
         if not with_entropy:
             return log_probs, None
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy = vocab_parallel_entropy(logits if entropy_grad else logits.detach(), tp_group, self.vocab_size)
-        return log_probs, entropy
+        if entropy_grad:
+            return log_probs, vocab_parallel_entropy(logits, tp_group, self.vocab_size)
+        with torch.no_grad():  # a metric only: its [b, r, V] softmax and logits are not kept for backward
+            return log_probs, vocab_parallel_entropy(logits, tp_group, self.vocab_size)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, with_entropy: bool = False):

@@ -47,8 +47,9 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
     for mini in minis:
         plan = plan_micro_batches(mini, batching)
         micro = split_rows(mini, plan)
-        shares = iter([Share(w, t) for w, t in zip(global_weights(micro, agg_mode, engine),
-                                                   global_weights(micro, "token-mean", engine))])
+        loss_shares = global_weights(micro, agg_mode, engine)
+        token_shares = loss_shares if agg_mode == "token-mean" else global_weights(micro, "token-mean", engine)
+        shares = iter([Share(w, t) for w, t in zip(loss_shares, token_shares)])
         engine.zero_grad()
         optimizer.zero_grad()
         stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(shares), len(micro)), not apply)
