@@ -19,6 +19,7 @@ LR = 1e-5
 STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")
 TRL_STAGES = {"generate_s": "generate (HF generate)", "score_s": "generate + score + advantages"}
 SEQ = 4 + 32  # prompt + response tokens of every row
+PROFILED = "update_actor"  # the stage whose profile the report attaches
 
 
 def hybridrl_overrides() -> list:
@@ -28,7 +29,7 @@ def hybridrl_overrides() -> list:
             "actor.log_prob_max_token_len_per_gpu=4096", f"actor.optim.lr={LR}", "actor.optim.clip_grad=1.0"]
 
 
-def report(runs: list, rounds: int, steps: int, trl_python: str) -> str:
+def report(runs: list, rounds: int, steps: int, trl_python: str, prof: dict) -> str:
     ratio, verdict = tc.verdict(runs)
     h, t = tc.stage_medians(runs, "hybridrl"), tc.stage_medians(runs, "trl")
     training = {"hybridrl": tc.pooled(runs, "hybridrl") - h["gen"] - h.get("update_weights", 0.0),
@@ -45,14 +46,15 @@ def report(runs: list, rounds: int, steps: int, trl_python: str) -> str:
             f"rest of its step is the training forward/backward and AdamW):\n\n" + tc.stage_table(runs)
             + "\n\nTraining part (hybridrl: step - gen - update_weights; TRL: step - generate/score/advantages) "
             "against the matmul-only time of the same passes over the same tokens on this machine:\n\n" + bound
-            + f"\n\nPeer: {tc.trl_versions(trl_python)}.")
+            + "\n\n" + tc.profile_text(prof, PROFILED) + f"\n\nPeer: {tc.trl_versions(trl_python)}.")
 
 
 def main() -> None:
     args = tc.parse_args(__doc__, os.path.join(bl.ROOT, ".venv-bench", "bin", "python"))
     tc.check_trl_python(args.trl_python, "1.16.0")
     runs = tc.alternate("grpo", args, hybridrl_overrides(), STAGES, "grpo_trl_side.py", TRL_STAGES, LR)
-    tc.publish("grpo", report(runs, args.rounds, args.steps, args.trl_python), args.no_write)
+    prof = tc.profile_hybridrl("grpo", args.steps, hybridrl_overrides(), PROFILED)
+    tc.publish("grpo", report(runs, args.rounds, args.steps, args.trl_python, prof), args.no_write)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,24 @@ policy and one for the value model), KL penalty k1 x 0.05 in the reward against 
 GAE gamma 1 lam 0.95, clip 0.2, value clip 0.2, T=1, no grad clipping (TRL's PPO does not clip),
 fp32, 2 threads, the digit-share reward of trivial_reward.py (TRL: as a reward model, see
 ppo_trl_side.py). The value model on both sides is the policy's trunk with a fresh scalar head.
-TRL 1.0.0 ships `trl.experimental.ppo` (1.16 does not): --trl-python points at that environment.
+TRL 1.0.0 ships `trl.experimental.ppo` (1.16 does not): --trl-python points at that environment
+(default .venv-bench-trl100/bin/python).
 
-    python benchmarks/bench_ppo_vs_trl.py [--rounds 3] [--steps 5] [--trl-python /work/venvs/trl100/bin/python]
+    python benchmarks/bench_ppo_vs_trl.py [--rounds 3] [--steps 5] [--trl-python PATH]
 """
 from __future__ import annotations
 
+import os
+
+import benchlib as bl
 import trl_compare as tc
 
 LR = 1e-5
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 TRL_STAGES = {"generate_s": "generate (batch_generation)", "score_s": "ref + value + reward forwards",
               "train_s": "PPO epoch (policy + value fwd/bwd, AdamW) + rest"}
-SEQ = 4 + 32
+SEQ = 4 + 32  # prompt + response tokens of every row
+PROFILED = "update_critic"  # the stage whose profile the report attaches
 
 
 def hybridrl_overrides() -> list:
@@ -32,7 +37,7 @@ def hybridrl_overrides() -> list:
             "actor.clip_ratio_high=0.2"] + budget
 
 
-def report(runs: list, rounds: int, steps: int, trl_python: str) -> str:
+def report(runs: list, rounds: int, steps: int, trl_python: str, prof: dict) -> str:
     ratio, verdict = tc.verdict(runs)
     h, t = tc.stage_medians(runs, "hybridrl"), tc.stage_medians(runs, "trl")
     training = {"hybridrl": tc.pooled(runs, "hybridrl") - h["gen"] - h.get("update_weights", 0.0),
@@ -55,14 +60,15 @@ def report(runs: list, rounds: int, steps: int, trl_python: str) -> str:
             + "\n\nTraining part (hybridrl: step - gen - update_weights; TRL: step - generate) against the "
             "matmul-only time of the same passes over the same tokens on this machine (TRL takes the old "
             "log-probs from generate's scores):\n\n" + bound
-            + f"\n\nPeer: {tc.trl_versions(trl_python)}.")
+            + "\n\n" + tc.profile_text(prof, PROFILED) + f"\n\nPeer: {tc.trl_versions(trl_python)}.")
 
 
 def main() -> None:
-    args = tc.parse_args(__doc__, "/work/venvs/trl100/bin/python")
+    args = tc.parse_args(__doc__, os.path.join(bl.ROOT, ".venv-bench-trl100", "bin", "python"))
     tc.check_trl_python(args.trl_python, "1.0.0")
     runs = tc.alternate("ppo", args, hybridrl_overrides(), STAGES, "ppo_trl_side.py", TRL_STAGES, LR)
-    tc.publish("ppo", report(runs, args.rounds, args.steps, args.trl_python), args.no_write)
+    prof = tc.profile_hybridrl("ppo", args.steps, hybridrl_overrides(), PROFILED)
+    tc.publish("ppo", report(runs, args.rounds, args.steps, args.trl_python, prof), args.no_write)
 
 
 if __name__ == "__main__":

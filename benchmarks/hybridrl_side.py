@@ -3,8 +3,10 @@
     python benchmarks/hybridrl_side.py key=value ...
 
 One process, world 1 (set MASTER_PORT to a free port). The orchestrator reads timing_s/* back
-from the TensorBoard files under trainer.log_dir.
+from the TensorBoard files under trainer.log_dir. With BENCH_PROFILE_STAGE=<stage> set (a key of
+stage_profile.STAGES) the run profiles that stage and prints the profile last, as "@@JSON{...}".
 """
+import json
 import os
 import sys
 
@@ -16,5 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
     from hybridrl.config_io import load_config
     from hybridrl.trainer_loop import main_loop
+    from stage_profile import StageProfile
 
-    sys.exit(main_loop(load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), sys.argv[1:])))
+    stage = os.environ.get("BENCH_PROFILE_STAGE")
+    profiled = StageProfile(stage) if stage else None
+    rc = main_loop(load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), sys.argv[1:]))
+    if profiled is not None:
+        print("@@JSON" + json.dumps(profiled.result()))
+    sys.exit(rc)

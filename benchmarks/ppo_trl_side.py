@@ -1,6 +1,6 @@
 """TRL side of bench_ppo_vs_trl.py (TRL 1.0's `trl.experimental.ppo.PPOTrainer`), timed per step.
 
-    /work/venvs/trl100/bin/python benchmarks/ppo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR
+    .venv-bench-trl100/bin/python benchmarks/ppo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR
 
 Prints one JSON line last: step_s, completion_len, and per step generate_s (`batch_generation`: HF
 generate), score_s (the no-grad forwards of the rollout phase: reference, value model, reward model)

@@ -17,14 +17,9 @@ import subprocess
 import sys
 
 import benchlib as bl
+from stage_profile import STAGES, StageProfile
 
 OUT = os.path.join(bl.WORK, "profile_demo")
-STAGES = {  # timing_s key -> (module, class, method) that the stage runs
-    "gen": ("hybridrl.trainer", "PPOTrainer", "generate"),
-    "old_log_prob": ("hybridrl.workers.actor", "LogProbWorker", "compute_log_prob"),
-    "update_actor": ("hybridrl.workers.actor", "ActorWorker", "update_policy"),
-    "update_weights": ("hybridrl.trainer", "PPOTrainer", "sync_rollout_weights"),
-}
 
 
 def overrides(tag: str, steps: int) -> list:
@@ -58,46 +53,16 @@ def plain_run(steps: int) -> dict:
 
 
 def _child(stage: str, steps: int) -> None:
-    """In the profiled subprocess: wrap the stage's method, run the demo, print both profiles."""
-    import cProfile
-    import importlib
-    import io
-    import pstats
-
+    """In the profiled subprocess: profile the stage over a demo run, print the result as JSON."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from hybridrl.config_io import load_config
     from hybridrl.trainer_loop import main_loop
 
     torch.set_num_threads(2)
-    module, cls, method = STAGES[stage]
-    owner = getattr(importlib.import_module(module), cls)
-    original, calls, prof = getattr(owner, method), [0], cProfile.Profile()
-    ops_run = []
-
-    def wrapped(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 1:  # warm-up call (or the pre-training weight sync)
-            return original(*args, **kwargs)
-        if calls[0] == 2:
-            with profile(activities=[ProfilerActivity.CPU]) as p:
-                out = original(*args, **kwargs)
-            ops_run.append(p)
-            return out
-        prof.enable()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            prof.disable()
-
-    setattr(owner, method, wrapped)
+    profiled = StageProfile(stage)
     main_loop(load_config(os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml"), overrides("profiled", steps)))
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(18)
-    text = buf.getvalue()
-    top_ops = ops_run[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=45)
-    print("@@JSON" + json.dumps({"cprofile": text[text.find("ncalls"):].rstrip(), "ops": top_ops, "calls": calls[0] - 2}))
+    print("@@JSON" + json.dumps(profiled.result()))
 
 
 def profiled_run(stage: str, steps: int) -> dict:

@@ -49,17 +49,36 @@ def common_overrides(run_dir: str, steps: int) -> list:
             "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}/ckpt", f"trainer.log_dir={run_dir}/tb"]
 
 
-def run_hybridrl(run_dir: str, steps: int, overrides: list, stages) -> dict:
+def _hybridrl_process(run_dir: str, steps: int, overrides: list, extra_env=None) -> str:
+    """Runs hybridrl_side.py once in a fresh run_dir; returns its stdout."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, os.path.join(bl.ROOT, "benchmarks", "hybridrl_side.py")]
-    proc = subprocess.run(cmd + common_overrides(run_dir, steps) + overrides, cwd=bl.ROOT, env=env(),
-                          capture_output=True, text=True)
+    proc = subprocess.run(cmd + common_overrides(run_dir, steps) + overrides, cwd=bl.ROOT,
+                          env=dict(env(), **(extra_env or {})), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"hybridrl side failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def run_hybridrl(run_dir: str, steps: int, overrides: list, stages) -> dict:
+    _hybridrl_process(run_dir, steps, overrides)
     s = read_scalars(os.path.join(run_dir, "tb"))
     keep = range(2, steps + 1)
     return {"step_s": [s["timing_s/step"][i] for i in keep], "completion_len": [s["response_length/mean"][i] for i in keep],
             "stages": {k: [s[f"timing_s/{k}"][i] for i in keep] for k in stages if f"timing_s/{k}" in s}}
+
+
+def profile_hybridrl(name: str, steps: int, overrides: list, stage: str) -> dict:
+    """One more (untimed) hybridrl run with `stage` profiled (stage_profile.StageProfile)."""
+    out = _hybridrl_process(os.path.join(bl.WORK, f"{name}_hybridrl_profiled"), max(steps, 4), overrides,
+                            {"BENCH_PROFILE_STAGE": stage})
+    return json.loads(next(line for line in out.splitlines() if line.startswith("@@JSON"))[6:])
+
+
+def profile_text(prof: dict, stage: str) -> str:
+    return (f"<details><summary>Profile of hybridrl's {stage}</summary>\n\n"
+            f"cProfile over {prof['calls']} calls (top by tottime):\n\n```\n{prof['cprofile']}\n```\n\n"
+            f"torch.profiler, one call, aten ops by self CPU time:\n\n```\n{prof['ops']}\n```\n\n</details>")
 
 
 def prompts_json() -> str:
