@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import benchlib as bl
 
@@ -116,6 +118,26 @@ def check_trl_python(trl_python: str, version: str) -> None:
                          "then pass --trl-python <dir>/bin/python")
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """What one benchmark against TRL runs; `passes(stage medians of hybridrl) -> {side: [pass]}`
+    lists the training passes of each side for the matmul-only bound (see bound_table)."""
+    name: str  # RESULTS.md section and prefix of the run folders under outputs/bench
+    title: str
+    setup: str  # one step's work, for the report
+    trl_version: str
+    trl_venv: str  # default side environment, relative to the checkout
+    trl_script: str
+    trl_stages: dict  # key printed by trl_script -> stage label
+    trl_rollout_stage: str  # the label whose time is the TRL step's rollout part
+    stages: tuple  # timing_s/* keys of the hybridrl side
+    overrides: tuple
+    lr: float
+    profiled: str  # the hybridrl stage whose profile is attached
+    passes: Callable
+    notes: dict = field(default_factory=dict)  # extra sentences: "lengths", "bound"
+
+
 def parse_args(doc: str, trl_python: str):
     import argparse
 
@@ -127,22 +149,27 @@ def parse_args(doc: str, trl_python: str):
     return p.parse_args()
 
 
-def alternate(name: str, args, overrides: list, stages, trl_script: str, trl_stages: dict, lr: float) -> list:
+def alternate(c: Comparison, args) -> list:
     """args.rounds rounds of (hybridrl run, TRL run), args.steps steps each, on the same prompts."""
     prompts, runs = prompts_json(), []
     for i in range(args.rounds):
-        hyb = run_hybridrl(os.path.join(bl.WORK, f"{name}_hybridrl_{i}"), args.steps, overrides, stages)
+        hyb = run_hybridrl(os.path.join(bl.WORK, f"{c.name}_hybridrl_{i}"), args.steps, list(c.overrides), c.stages)
         trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
-                    os.path.join(bl.WORK, f"{name}_trl_{i}"), args.steps, lr]
-        runs.append({"hybridrl": hyb, "trl": run_trl(args.trl_python, trl_script, trl_args, trl_stages)})
+                    os.path.join(bl.WORK, f"{c.name}_trl_{i}"), args.steps, c.lr]
+        runs.append({"hybridrl": hyb, "trl": run_trl(args.trl_python, c.trl_script, trl_args, c.trl_stages)})
         print(f"round {i + 1}: hybridrl {hyb['step_s']} TRL {runs[-1]['trl']['step_s']}", flush=True)
     return runs
 
 
-def publish(name: str, text: str, no_write: bool) -> None:
+def main(c: Comparison, doc: str) -> None:
+    args = parse_args(doc, os.path.join(bl.ROOT, c.trl_venv, "bin", "python"))
+    check_trl_python(args.trl_python, c.trl_version)
+    runs = alternate(c, args)
+    prof = profile_hybridrl(c.name, args.steps, list(c.overrides), c.profiled)
+    text = report(c, runs, args, prof)
     print(text)
-    if not no_write:
-        bl.write_section(name, text)
+    if not args.no_write:
+        bl.write_section(c.name, text)
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -175,6 +202,22 @@ def stage_table(runs: list) -> str:
 def verdict(runs: list, target: float = 0.5) -> tuple:
     ratio = pooled(runs, "hybridrl") / pooled(runs, "trl")
     return ratio, ("met" if ratio <= target else f"missed: {ratio / target:.1f}x off the target")
+
+
+def report(c: Comparison, runs: list, args, prof: dict) -> str:
+    ratio, verdict_text = verdict(runs)
+    h, t = stage_medians(runs, "hybridrl"), stage_medians(runs, "trl")
+    training = {"hybridrl": pooled(runs, "hybridrl") - h["gen"] - h.get("update_weights", 0.0),
+                "TRL": pooled(runs, "trl") - t[c.trl_rollout_stage]}
+    return (f"## {c.title}\n\nMedian seconds per step (steps 2..{args.steps} of each run; {args.rounds} rounds, "
+            f"hybridrl A then TRL B), {c.setup}, fp32, 2 threads, AdamW lr {c.lr:g}.\n\n" + round_table(runs)
+            + f"\n\nTarget hybridrl <= 0.5x TRL: **{ratio:.2f}x** ({verdict_text}). Mean response lengths seen: "
+            f"{lengths(runs)}{c.notes.get('lengths', '')}.\n\nStage medians (hybridrl: timing_s/*; TRL: the methods "
+            f"named timed inside its trainer, the rest of its step is its training part):\n\n" + stage_table(runs)
+            + f"\n\nTraining part (hybridrl: step - gen - update_weights; TRL: step - {c.trl_rollout_stage}) against "
+            f"the matmul-only time of the same passes over the same tokens on this machine{c.notes.get('bound', '')}:"
+            f"\n\n" + bound_table(c.passes(h), training) + "\n\n" + profile_text(prof, c.profiled)
+            + f"\n\nPeer: {trl_versions(args.trl_python)}.")
 
 
 def lengths(runs: list) -> str:
