@@ -15,6 +15,14 @@ from hybridrl.models.forward import pipeline_forward
 from hybridrl.parallel.distributed import ParallelGroups
 
 
+def split_micro_batches(batch: Dict[str, torch.Tensor], micro_size: int) -> List[Dict[str, torch.Tensor]]:
+    """Equal-size row chunks of at most micro_size rows (the reward model's passes; the policy and
+    critic passes split through `micro_batches.py`)."""
+    rows = next(iter(batch.values())).shape[0]
+    size = max(d for d in range(1, min(micro_size, rows) + 1) if rows % d == 0)
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
 def mini_batches(batch: Dict[str, torch.Tensor], keys, rows: int, epochs: int):
     """`epochs` passes over consecutive row slices of `rows` (verl's ppo_epochs x mini-batches)."""
     total = batch[keys[0]].shape[0]
