@@ -149,24 +149,19 @@ def _saved_bytes(fn):
     return total[0], out
 
 
-def _split_run(folder, tp, pp, agg_mode):
-    """Same layout, same start: fixed vs token-budget micro-batches (actor and critic), and the
-    two-pass actor step vs the one whose forward gives the old log-probs."""
+def _worker_factories(folder, groups, agg_mode):
+    """Fresh actor (by entropy_coeff) and critic workers from the same checkpoint and seed."""
     import dataclasses
 
     from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.parallel.distributed import init_model_parallel
     from hybridrl.roles import _trainable
-    from hybridrl.step_batch import local_slice
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
-    from hybridrl.workers.micro_batches import MicroBatching
     from hybridrl.workers.optim import build_optimizer
 
-    groups = init_model_parallel(tp, pp)
     # Adam's first step is lr * g / (|g| + eps): with eps 1e-8 a gradient entry that is round-off
     # itself (~1e-8) moves by ~lr/2 either way. eps 1e-3 keeps parameters a faithful image of
     # the gradients, so fp32 round-off in them stays round-off in the parameters.
@@ -174,7 +169,6 @@ def _split_run(folder, tp, pp, agg_mode):
     acfg = ActorConfig(optim=optim, loss_agg_mode=agg_mode)
     ccfg = CriticConfig(optim=optim, loss_agg_mode=agg_mode)
     cfg = Config(actor=acfg, critic=ccfg)
-    fixed, dynamic = MicroBatching(FIXED), MicroBatching(FIXED, BUDGET)
 
     def actor(coeff=0.0):
         model, spec = model_from_hf(folder, groups)
@@ -187,6 +181,20 @@ def _split_run(folder, tp, pp, agg_mode):
         model, _, _ = critic_from_hf(folder, groups, seed=5)
         module = _trainable(model, cfg)
         return CriticWorker(ModelEngine(module, groups), build_optimizer(module, ccfg.optim, groups, 10), ccfg)
+
+    return actor, critic
+
+
+def _split_run(folder, tp, pp, agg_mode):
+    """Same layout, same start: fixed vs token-budget micro-batches (actor and critic), and the
+    two-pass actor step vs the one whose forward gives the old log-probs."""
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.step_batch import local_slice
+    from hybridrl.workers.micro_batches import MicroBatching
+
+    groups = init_model_parallel(tp, pp)
+    actor, critic = _worker_factories(folder, groups, agg_mode)
+    fixed, dynamic = MicroBatching(FIXED), MicroBatching(FIXED, BUDGET)
 
     full = _batch(97)
     batch = {k: local_slice(v, groups) for k, v in full.items() if k != "old_log_probs"}
