@@ -190,6 +190,16 @@ def stage_medians(runs: list, side: str) -> dict:
     return {k: bl.median([x for r in runs for x in r[side]["stages"][k]]) for k in runs[0][side]["stages"]}
 
 
+def training_part(runs: list, side: str, outside: tuple) -> float:
+    """Median over steps of the step's time minus its `outside` stages, step by step (a difference
+    of medians would carry the noise of each stage into it)."""
+    rest = []
+    for r in runs:
+        stages = [r[side]["stages"][k] for k in outside if k in r[side]["stages"]]
+        rest += [step - sum(parts) for step, *parts in zip(r[side]["step_s"], *stages)]
+    return bl.median(rest)
+
+
 def stage_table(runs: list) -> str:
     rows = []
     for side, label in (("hybridrl", "hybridrl"), ("trl", "TRL")):
@@ -206,15 +216,16 @@ def verdict(runs: list, target: float = 0.5) -> tuple:
 
 def report(c: Comparison, runs: list, args, prof: dict) -> str:
     ratio, verdict_text = verdict(runs)
-    h, t = stage_medians(runs, "hybridrl"), stage_medians(runs, "trl")
-    training = {"hybridrl": pooled(runs, "hybridrl") - h["gen"] - h.get("update_weights", 0.0),
-                "TRL": pooled(runs, "trl") - t[c.trl_rollout_stage]}
+    h = stage_medians(runs, "hybridrl")
+    training = {"hybridrl": training_part(runs, "hybridrl", ("gen", "update_weights")),
+                "TRL": training_part(runs, "trl", (c.trl_rollout_stage,))}
     return (f"## {c.title}\n\nMedian seconds per step (steps 2..{args.steps} of each run; {args.rounds} rounds, "
             f"hybridrl A then TRL B), {c.setup}, fp32, 2 threads, AdamW lr {c.lr:g}.\n\n" + round_table(runs)
             + f"\n\nTarget hybridrl <= 0.5x TRL: **{ratio:.2f}x** ({verdict_text}). Mean response lengths seen: "
             f"{lengths(runs)}{c.notes.get('lengths', '')}.\n\nStage medians (hybridrl: timing_s/*; TRL: the methods "
             f"named timed inside its trainer, the rest of its step is its training part):\n\n" + stage_table(runs)
-            + f"\n\nTraining part (hybridrl: step - gen - update_weights; TRL: step - {c.trl_rollout_stage}) against "
+            + f"\n\nTraining part (median over steps of hybridrl: step - gen - update_weights; TRL: step - "
+            f"{c.trl_rollout_stage}) against "
             f"the matmul-only time of the same passes over the same tokens on this machine{c.notes.get('bound', '')}:"
             f"\n\n" + bound_table(c.passes(h), training) + "\n\n" + profile_text(prof, c.profiled)
             + f"\n\nPeer: {trl_versions(args.trl_python)}.")
