@@ -37,7 +37,7 @@ def _env() -> dict:
 
 def plain_run(steps: int) -> dict:
     """{stage: median seconds over steps 2..N} of an unprofiled demo run."""
-    from trl_compare import read_scalars
+    from benchlib import read_scalars
 
     shutil.rmtree(os.path.join(OUT, "plain"), ignore_errors=True)  # stale event files would mix in
     cmd = [sys.executable, os.path.join(bl.ROOT, "scripts", "train_ppo.py"), "--config",

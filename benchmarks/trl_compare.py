@@ -8,7 +8,6 @@ by --trl-python. The first step of every run is warm-up and is skipped.
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 import shutil
@@ -26,19 +25,6 @@ def env() -> dict:
 
     path = os.pathsep.join([os.path.join(bl.ROOT, "src"), os.path.join(bl.ROOT, "benchmarks")])
     return dict(os.environ, OMP_NUM_THREADS="2", MASTER_PORT=str(free_port()), PYTHONPATH=path)
-
-
-def read_scalars(folder: str) -> dict:
-    """{tag: {step: value}} from the TensorBoard event files under folder."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
 
 
 def common_overrides(run_dir: str, steps: int) -> list:
@@ -64,7 +50,7 @@ def _hybridrl_process(run_dir: str, steps: int, overrides: list, extra_env=None)
 
 def run_hybridrl(run_dir: str, steps: int, overrides: list, stages) -> dict:
     _hybridrl_process(run_dir, steps, overrides)
-    s = read_scalars(os.path.join(run_dir, "tb"))
+    s = bl.read_scalars(os.path.join(run_dir, "tb"))
     keep = range(2, steps + 1)
     return {"step_s": [s["timing_s/step"][i] for i in keep], "completion_len": [s["response_length/mean"][i] for i in keep],
             "stages": {k: [s[f"timing_s/{k}"][i] for i in keep] for k in stages if f"timing_s/{k}" in s}}
