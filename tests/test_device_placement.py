@@ -81,6 +81,7 @@ def _step_on_virtual_device(overrides):
     from virtual_device import DeviceMixError, OnDevice, virtual_device
 
     import hybridrl.trainer as trainer_module
+    from hybridrl.workers.micro_batches import MicroBatching
 
     with virtual_device():
         trainer, (train_loader, val_loader) = _build(overrides)
@@ -95,7 +96,7 @@ def _step_on_virtual_device(overrides):
         trainer_module.assemble = lambda *args: original(*args[:5], "cpu")
         try:
             host_batch = trainer.generate(prompts, trainer.train_sampling(), step=1)
-            trainer.actor.compute_log_prob(host_batch, 2)
+            trainer.actor.compute_log_prob(host_batch, MicroBatching(2))
             caught = None
         except DeviceMixError as err:
             caught = str(err)
