@@ -53,6 +53,7 @@ def _update(folder, groups, batch, mode, micro):
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
+    from hybridrl.workers.micro_batches import MicroBatching
     from hybridrl.workers.optim import build_optimizer
 
     loss_mode, mode = _modes(mode)
@@ -69,8 +70,9 @@ def _update(folder, groups, batch, mode, micro):
     critic = CriticWorker(ModelEngine(cmodule, groups), build_optimizer(cmodule, optim, groups, 10), ccfg,
                           max_response_length=R)
     rows = batch["responses"].shape[0]
-    log_probs, entropy = actor.compute_log_prob(batch, rows, with_entropy=True)
-    out = {"actor": actor.update_policy(batch, rows), "critic": critic.update_critic(batch, rows),
+    log_probs, entropy = actor.compute_log_prob(batch, MicroBatching(rows), with_entropy=True)
+    out = {"actor": actor.update_policy(batch, rows, MicroBatching(micro)),
+           "critic": critic.update_critic(batch, rows, MicroBatching(micro)),
            "log_probs": log_probs, "entropy": entropy}
     out["params"] = {f"actor.{n}": p.detach().clone() for n, p in module.named_parameters()}
     out["params"].update({f"critic.{n}": p.detach().clone() for n, p in cmodule.named_parameters()})

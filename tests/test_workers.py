@@ -175,12 +175,13 @@ def _worker_factories(folder, groups, agg_mode):
         module = _trainable(model, cfg)
         worker_cfg = dataclasses.replace(acfg, entropy_coeff=coeff)
         return ActorWorker(ModelEngine(module, groups), build_optimizer(module, acfg.optim, groups, 10), worker_cfg,
-                           spec.vocab_size, temperature=0.7)
+                           spec.vocab_size, temperature=0.7, max_response_length=R)
 
     def critic():
         model, _, _ = critic_from_hf(folder, groups, seed=5)
         module = _trainable(model, cfg)
-        return CriticWorker(ModelEngine(module, groups), build_optimizer(module, ccfg.optim, groups, 10), ccfg)
+        return CriticWorker(ModelEngine(module, groups), build_optimizer(module, ccfg.optim, groups, 10), ccfg,
+                            max_response_length=R)
 
     return actor, critic
 
