@@ -162,3 +162,28 @@ def test_the_check_itself():
             dev.numpy()
         with pytest.raises(DeviceMixError, match="nccl"):
             dist.all_reduce(torch.ones(2))
+
+
+def test_host_blocks_keep_their_own_megatron_scratch():
+    """megatron's process-wide scratch pool: a buffer that host-run code allocated is never handed to
+    device work (on a real accelerator both allocate on the device); a genuine host tensor still trips."""
+    from megatron.core import parallel_state
+
+    from virtual_device import DeviceMixError, is_on_device, virtual_device, without_check
+
+    from hybridrl.parallel import cpu_compat
+
+    cpu_compat.apply()
+    parallel_state._set_global_memory_buffer()
+    try:
+        with virtual_device():
+            with without_check():  # e.g. a rollout on megatron's forward, at a wider shape
+                host = parallel_state.get_global_memory_buffer().get_tensor((4, 8, 8), torch.float32, "mpu")
+            dev = parallel_state.get_global_memory_buffer().get_tensor((2, 8, 8), torch.float32, "mpu")
+            assert not is_on_device(host) and is_on_device(dev)
+            q = torch.ones(2, 8, 8, device="cuda")
+            assert is_on_device(torch.baddbmm(dev, q, q))
+            with pytest.raises(DeviceMixError, match="host tensors"):
+                torch.baddbmm(host[:2], q, q)
+    finally:
+        parallel_state.destroy_global_memory_buffer()

@@ -23,7 +23,7 @@ rewards and `.item()` could not run. Here every value is real and only the *plac
 
 Not seen: ops that C++ runs internally, the backward pass (its gradients come from C++ kernels, so
 it runs unchecked: `torch.autograd.backward` and `Tensor.backward` switch the check off), and code
-inside `without_check()`.
+inside `without_check()` (host code, which keeps its own megatron scratch buffers: `_host_scratch`).
 """
 from __future__ import annotations
 
@@ -227,15 +227,42 @@ def virtual_device():
             setattr(dist, name, real)
 
 
+_HOST_SCRATCH: list = []  # megatron's scratch-buffer pool of the host blocks (one per process)
+
+
+@contextlib.contextmanager
+def _host_scratch():
+    """megatron-core keeps one process-wide pool of scratch buffers (`get_global_memory_buffer()`,
+    attention's [b*np, sq, sk] baddbmm input for one), allocated on `torch.cuda.current_device()`
+    and reused by any later call that fits. On a real accelerator host-run code allocates there on
+    the device too; here it would leave host buffers in the pool for device work to pick up. So a
+    host block gets a pool of its own."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    device_pool = parallel_state._GLOBAL_MEMORY_BUFFER
+    if device_pool is None:  # megatron not initialised: nothing to keep apart
+        yield
+        return
+    if not _HOST_SCRATCH:
+        _HOST_SCRATCH.append(GlobalMemoryBuffer())
+    parallel_state._GLOBAL_MEMORY_BUFFER = _HOST_SCRATCH[0]
+    try:
+        yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = device_pool
+
+
 @contextlib.contextmanager
 def without_check():
-    """Run a block as host code: no check, no labels (for components outside what a test covers)."""
+    """Run a block as host code: no check, no labels, host scratch buffers of its own (for
+    components outside what a test covers)."""
     from hybridrl.parallel import cpu_compat
 
     mode = _MODE[-1]
     mode.enabled = False
     try:
-        with cpu_compat.standing_in_for_cuda("cpu"):
+        with cpu_compat.standing_in_for_cuda("cpu"), _host_scratch():
             yield
     finally:
         mode.enabled = True
