@@ -367,3 +367,22 @@ def test_reward_model_phase_weights_and_offload(tmp_path):
     rm_arch = mem.arch_from_model_config(ModelConfig(path=str(tmp_path / "rm")))
     assert own == mem.stage_params(rm_arch, lay.tp, lay.pp, 0, critic=True) * mem.BYTES_PER_ELEMENT[cfg.model.params_dtype]
     assert own < weights / 100
+
+
+def test_token_budget_sizes_the_planned_micro_batches():
+    """With use_dynamic_bsz a micro-batch computes at most *_max_token_len_per_gpu positions, so the
+    planner sizes activations by the budget (budget / full width rows), not by the row counts."""
+    seq = 512 + 1024  # qwen2_0.5b.yaml: max_prompt_length + max_response_length
+    fixed = estimate(_size_config("qwen2_0.5b.yaml", "actor.ppo_micro_batch_size_per_gpu=2",
+                                  "actor.log_prob_micro_batch_size_per_gpu=2"), 8)
+    budget = estimate(_size_config("qwen2_0.5b.yaml", "actor.use_dynamic_bsz=true",
+                                   f"actor.ppo_max_token_len_per_gpu={2 * seq}",
+                                   f"actor.log_prob_max_token_len_per_gpu={2 * seq}",
+                                   "actor.ppo_micro_batch_size_per_gpu=16"), 8)
+    for phase, item in (("actor update", "actor/activations"), ("actor update", "actor/logits"),
+                        ("actor log-prob", "actor/forward")):
+        assert budget.phase(phase).bytes(item) == pytest.approx(fixed.phase(phase).bytes(item), rel=1e-12)
+    doubled = estimate(_size_config("qwen2_0.5b.yaml", "actor.use_dynamic_bsz=true",
+                                    f"actor.ppo_max_token_len_per_gpu={4 * seq}"), 8)
+    assert doubled.phase("actor update").bytes("actor/logits") == pytest.approx(
+        2 * fixed.phase("actor update").bytes("actor/logits"), rel=1e-12)

@@ -32,6 +32,7 @@ from hybridrl import planner_memory as mem
 from hybridrl.config import Config, ConfigError, OffloadConfig
 from hybridrl.layout import Layout, derive_layout
 from hybridrl.offload import HYBRID_PHASES, PARTS
+from hybridrl.workers.micro_batches import MicroBatching, resolve_batching
 
 GIB = mem.GIB
 RUNTIME_OVERHEAD_GIB = 2.0
@@ -235,10 +236,18 @@ def _weight_sync_phase(ctx: _Ctx, stage: int) -> Phase:
     return Phase("weight sync", stage, tuple(items))
 
 
+def _micro_rows(ctx: _Ctx, split: MicroBatching) -> float:
+    """Full-width rows one micro-batch may compute: the row count, or with use_dynamic_bsz the
+    token budget over the full width (the packer keeps rows x trimmed width within the budget, and
+    the budget is at least one full row, so every activation term is bounded by this many rows)."""
+    return split.max_tokens / ctx.seq if split.dynamic else split.rows
+
+
 def _forward_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     """A forward without grad: the actor's old log-probs, the reference's, or the critic's values."""
-    rcfg = getattr(ctx.cfg, role)
-    micro = rcfg.ppo_micro_batch_size_per_gpu if role == "critic" else rcfg.log_prob_micro_batch_size_per_gpu
+    batching = resolve_batching(ctx.cfg)
+    split = {"actor": batching.actor_log_prob, "ref": batching.ref_log_prob, "critic": batching.critic_values}[role]
+    micro = _micro_rows(ctx, split)
     phase = {"actor": "old_log_prob", "ref": "ref", "critic": "values"}[role]
     items = _base(ctx, stage, phase)
     last = stage == ctx.layout.pp - 1
@@ -275,10 +284,10 @@ def _reward_model_phase(ctx: _Ctx, stage: int) -> Phase:
 def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     """One role's optimizer step: all its states, its saved activations, the others per their flags."""
     critic = role == "critic"
-    rcfg = ctx.cfg.critic if critic else ctx.cfg.actor
-    lay, micro = ctx.layout, rcfg.ppo_micro_batch_size_per_gpu
+    batching = resolve_batching(ctx.cfg)
+    lay, micro = ctx.layout, _micro_rows(ctx, batching.critic_update if critic else batching.actor_update)
     mini = lay.critic_mini_batch_samples if critic else lay.actor_mini_batch_samples
-    in_flight = min(lay.pp - stage, mini // (lay.dp * micro))
+    in_flight = max(1, min(lay.pp - stage, int(mini // (lay.dp * micro))))
     items = _base(ctx, stage, f"update_{role}")
     acts = mem.stage_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.pp, in_flight,
                                       ctx.cfg.parallel.recompute_activations, ctx.dtype)
