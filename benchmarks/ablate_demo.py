@@ -50,12 +50,12 @@ def body(reps: int) -> dict:
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
     from hybridrl.workers.micro_batches import MicroBatching
 
     torch.set_num_threads(1)
     cfg = load_config(os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml"), overrides("ablate", 10))
-    _, tok, layout, groups, loader, _ = _setup(cfg)
+    _, tok, layout, groups, loader, _ = setup_run(cfg)
     trainer = PPOTrainer(cfg, layout, groups, tok, build_roles(cfg, groups, tok, 10), RewardManager(cfg.reward), None)
     trainer.sync_rollout_weights()
     prompts = next(iter(loader))

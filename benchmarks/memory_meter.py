@@ -60,12 +60,12 @@ def run_steps(config_path: str, overrides: list, offload: bool, steps: int = 2) 
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
 
     flags = "true" if offload else "false"
     cfg = load_config(config_path, overrides + [f"actor.offload.{k}={flags}" for k in ("params", "grads", "optimizer")]
                       + [f"rollout.free_cache_engine={flags}"])
-    _, tokenizer, layout, groups, loader, _ = _setup(cfg)
+    _, tokenizer, layout, groups, loader, _ = setup_run(cfg)
     roles = build_roles(cfg, groups, tokenizer, steps)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)
     trainer.rollout.offload_weights_on_sleep = offload  # what NativeEngine does by default on a GPU

@@ -43,6 +43,18 @@ def ragged_batch(vocab_size: int, seed: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def padded_rl_rows(vocab: int, prompt_len: list, resp_len: list, width: tuple, g: torch.Generator) -> dict:
+    """Rows of a step batch with left-padded prompts and right-padded responses of the given real
+    lengths (width = (prompt width, response width)): input_ids, attention_mask, responses, response_mask."""
+    (P, R), n = width, len(prompt_len)
+    pmask = (torch.arange(P)[None] >= (P - torch.tensor(prompt_len))[:, None]).float()
+    rmask = (torch.arange(R)[None] < torch.tensor(resp_len)[:, None]).float()
+    prompts = torch.randint(1, vocab, (n, P), generator=g) * pmask.long()
+    responses = torch.randint(1, vocab, (n, R), generator=g) * rmask.long()
+    return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([pmask, rmask], 1),
+            "responses": responses, "response_mask": rmask}
+
+
 def hf_logits(folder: str, batch: dict) -> torch.Tensor:
     """Reference logits from transformers, with HF's left-padding position ids."""
     import transformers

@@ -20,11 +20,11 @@ def _trainer(tmp, tp, pp, extra=()):
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
 
     cfg = load_config(TINY, _overrides(tmp, [f"{LAYOUT['tp']}={tp}", f"{LAYOUT['pp']}={pp}",
                                              "trainer.total_training_steps=4", *extra]))
-    _, tokenizer, layout, groups, loader, _ = _setup(cfg)
+    _, tokenizer, layout, groups, loader, _ = setup_run(cfg)
     roles = build_roles(cfg, groups, tokenizer, 4)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)
     trainer.sync_rollout_weights()

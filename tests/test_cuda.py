@@ -30,10 +30,10 @@ def _trainer_step(overrides):
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
 
     cfg = load_config(TINY, overrides)
-    _, tokenizer, layout, groups, train_loader, _ = _setup(cfg)
+    _, tokenizer, layout, groups, train_loader, _ = setup_run(cfg)
     roles = build_roles(cfg, groups, tokenizer, total_steps=2)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)
     trainer.sync_rollout_weights()
@@ -70,13 +70,13 @@ def _fp16_steps():
     from hybridrl.models.gpt import GPTSpec, build_gpt
     from hybridrl.models.logprobs import vocab_parallel_log_probs
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.roles import _trainable
+    from hybridrl.roles import wrap_trainable
     from hybridrl.workers.optim import MegatronOptimizer
 
     init_model_parallel(1, 1)
     spec = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=128)
-    module = _trainable(build_gpt(spec, 1, 1, 0, "float16"), Config())
+    module = wrap_trainable(build_gpt(spec, 1, 1, 0, "float16"), Config())
     opt = MegatronOptimizer(module, OptimConfig(lr=3e-3, clip_grad=1.0), False, 100, torch.float16)
     ids = torch.randint(0, spec.vocab_size, (4, 16), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dist_helper import run_distributed
+from models_helper import padded_rl_rows
 
 B, P, R = 8, 5, 6
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo")
@@ -24,15 +25,10 @@ def _modes(mode):
 
 def _batch(vocab):
     g = torch.Generator().manual_seed(7)
-    prompt_len = torch.tensor([5, 3, 4, 5, 2, 5, 4, 3])
-    resp_len = torch.tensor([4, 1, 0, 4, 3, 2, 4, 1])  # row 2: no loss token; column 5: padding only
-    pmask = (torch.arange(P)[None] >= (P - prompt_len)[:, None]).float()
-    rmask = (torch.arange(R)[None] < resp_len[:, None]).float()
-    prompts = torch.randint(1, vocab, (B, P), generator=g) * pmask.long()
-    responses = torch.randint(1, vocab, (B, R), generator=g) * rmask.long()
-    return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([pmask, rmask], 1),
-            "responses": responses, "response_mask": rmask,
-            "old_log_probs": (-3.0 + 0.3 * torch.randn(B, R, generator=g)) * rmask,
+    # row 2: no loss token; column 5: padding only
+    batch = padded_rl_rows(vocab, [5, 3, 4, 5, 2, 5, 4, 3], [4, 1, 0, 4, 3, 2, 4, 1], (P, R), g)
+    rmask = batch["response_mask"]
+    return {**batch, "old_log_probs": (-3.0 + 0.3 * torch.randn(B, R, generator=g)) * rmask,
             "ref_log_probs": (-3.0 + 0.3 * torch.randn(B, R, generator=g)) * rmask,
             "advantages": torch.randn(B, 1, generator=g) * rmask,
             "values": torch.randn(B, R, generator=g) * rmask, "returns": torch.randn(B, R, generator=g) * rmask}
@@ -49,7 +45,7 @@ def _update(folder, groups, batch, mode, micro):
     from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig, PolicyLossConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.roles import _trainable
+    from hybridrl.roles import wrap_trainable
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
@@ -62,11 +58,11 @@ def _update(folder, groups, batch, mode, micro):
                        use_kl_loss=True, kl_loss_coef=0.1, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
     ccfg = CriticConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode)
     model, spec = model_from_hf(folder, groups)
-    module = _trainable(model, Config())
+    module = wrap_trainable(model, Config())
     actor = ActorWorker(ModelEngine(module, groups), build_optimizer(module, optim, groups, 10), acfg,
                         spec.vocab_size, temperature=1.0, max_response_length=R)
     cmodel, _, _ = critic_from_hf(folder, groups, seed=5)
-    cmodule = _trainable(cmodel, Config())
+    cmodule = wrap_trainable(cmodel, Config())
     critic = CriticWorker(ModelEngine(cmodule, groups), build_optimizer(cmodule, optim, groups, 10), ccfg,
                           max_response_length=R)
     rows = batch["responses"].shape[0]

@@ -20,13 +20,13 @@ def _scaled_backward():
     from hybridrl.models.gpt import GPTSpec, build_gpt
     from hybridrl.parallel.cpu_compat import cuda_to_cpu
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.roles import _trainable
+    from hybridrl.roles import wrap_trainable
     from hybridrl.workers.optim import MegatronOptimizer
 
     init_model_parallel(1, 1)
     spec = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=64, vocab_size=100)
-    module = _trainable(build_gpt(spec, 1, 1, 0), Config())
+    module = wrap_trainable(build_gpt(spec, 1, 1, 0), Config())
     ids = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def grads():

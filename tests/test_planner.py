@@ -226,7 +226,7 @@ def _held_per_phase(offload: bool) -> tuple:
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
 
     tmp, on = tempfile.mkdtemp(), str(offload).lower()
     cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [
@@ -234,7 +234,7 @@ def _held_per_phase(offload: bool) -> tuple:
         "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "rollout.n=2", "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=true", f"ref.offload_params={on}", "rollout.free_cache_engine=true"]
         + [f"{role}.offload.{part}={on}" for role in ("actor", "critic") for part in ("params", "grads", "optimizer")])
-    _, tokenizer, layout, groups, loader, _ = _setup(cfg)
+    _, tokenizer, layout, groups, loader, _ = setup_run(cfg)
     roles = build_roles(cfg, groups, tokenizer, 2)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)
     trainer.rollout.offload_weights_on_sleep = True  # as on a GPU: the sleeping engine leaves the device

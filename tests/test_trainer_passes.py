@@ -26,10 +26,10 @@ def _two_trainers(tmp, extra):
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
     from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
 
     cfg = load_config(TINY, _overrides(tmp, extra))
-    _, tok, layout, groups, loader, _ = _setup(cfg)
+    _, tok, layout, groups, loader, _ = setup_run(cfg)
     prompts = next(iter(loader))
     out = []
     for own in (True, False):

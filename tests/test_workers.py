@@ -6,21 +6,16 @@ import pytest
 import torch
 
 from dist_helper import run_distributed
+from models_helper import padded_rl_rows
 
 B, P, R = 8, 6, 5
 
 
 def _batch(vocab):
     g = torch.Generator().manual_seed(3)
-    prompt_len = torch.tensor([6, 4, 5, 6, 3, 6, 2, 5])
-    resp_len = torch.tensor([5, 3, 1, 5, 4, 2, 5, 3])
-    pmask = (torch.arange(P)[None] >= (P - prompt_len)[:, None]).float()
-    rmask = (torch.arange(R)[None] < resp_len[:, None]).float()
-    prompts = torch.randint(1, vocab, (B, P), generator=g) * pmask.long()
-    responses = torch.randint(1, vocab, (B, R), generator=g) * rmask.long()
-    return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([pmask, rmask], 1),
-            "responses": responses, "response_mask": rmask,
-            "old_log_probs": -2.0 + 0.3 * torch.randn(B, R, generator=g),
+    batch = padded_rl_rows(vocab, [6, 4, 5, 6, 3, 6, 2, 5], [5, 3, 1, 5, 4, 2, 5, 3], (P, R), g)
+    rmask = batch["response_mask"]
+    return {**batch, "old_log_probs": -2.0 + 0.3 * torch.randn(B, R, generator=g),
             "advantages": torch.randn(B, R, generator=g) * rmask,
             "values": torch.randn(B, R, generator=g) * rmask, "returns": torch.randn(B, R, generator=g) * rmask}
 
@@ -30,7 +25,7 @@ def _roles_run(folder, tp, pp, agg_mode):
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.roles import _trainable
+    from hybridrl.roles import wrap_trainable
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
@@ -42,11 +37,11 @@ def _roles_run(folder, tp, pp, agg_mode):
     cfg = Config(actor=ActorConfig(optim=OptimConfig(lr=1e-2), ppo_micro_batch_size_per_gpu=2, loss_agg_mode=agg_mode),
                  critic=CriticConfig(optim=OptimConfig(lr=1e-2), ppo_micro_batch_size_per_gpu=2, loss_agg_mode=agg_mode))
     model, spec = model_from_hf(folder, groups)
-    module = _trainable(model, cfg)
+    module = wrap_trainable(model, cfg)
     actor = ActorWorker(ModelEngine(module, groups), build_optimizer(module, cfg.actor.optim, groups, 10),
                         cfg.actor, spec.vocab_size, temperature=0.7, max_response_length=R)
     cmodel, _, _ = critic_from_hf(folder, groups, seed=5)
-    cmodule = _trainable(cmodel, cfg)
+    cmodule = wrap_trainable(cmodel, cfg)
     critic = CriticWorker(ModelEngine(cmodule, groups), build_optimizer(cmodule, cfg.critic.optim, groups, 10), cfg.critic,
                           max_response_length=R)
     full = _batch(spec.vocab_size)
@@ -156,7 +151,7 @@ def _worker_factories(folder, groups, agg_mode):
     from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.roles import _trainable
+    from hybridrl.roles import wrap_trainable
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
@@ -172,14 +167,14 @@ def _worker_factories(folder, groups, agg_mode):
 
     def actor(coeff=0.0):
         model, spec = model_from_hf(folder, groups)
-        module = _trainable(model, cfg)
+        module = wrap_trainable(model, cfg)
         worker_cfg = dataclasses.replace(acfg, entropy_coeff=coeff)
         return ActorWorker(ModelEngine(module, groups), build_optimizer(module, acfg.optim, groups, 10), worker_cfg,
                            spec.vocab_size, temperature=0.7, max_response_length=R)
 
     def critic():
         model, _, _ = critic_from_hf(folder, groups, seed=5)
-        module = _trainable(model, cfg)
+        module = wrap_trainable(model, cfg)
         return CriticWorker(ModelEngine(module, groups), build_optimizer(module, ccfg.optim, groups, 10), ccfg,
                             max_response_length=R)
 

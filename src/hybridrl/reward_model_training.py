@@ -141,7 +141,7 @@ def preference_accuracy(engine: ModelEngine, pairs: Dict[str, torch.Tensor], mic
 
 def _build(cfg: Config, groups, init_folder: str, total_steps: int):
     from hybridrl.models.critic import critic_from_hf
-    from hybridrl.roles import _trainable
+    from hybridrl.roles import wrap_trainable
     from hybridrl.workers.optim import build_optimizer
 
     tc = cfg.reward_model.train
@@ -150,7 +150,7 @@ def _build(cfg: Config, groups, init_folder: str, total_steps: int):
         with torch.no_grad():
             model.output_layer.value_head.bias.zero_()
         model.output_layer.value_head.bias.requires_grad_(False)
-    module = _trainable(model, cfg)
+    module = wrap_trainable(model, cfg)
     optimizer = build_optimizer(module, tc.optim, groups, total_steps, cfg.parallel.use_distributed_optimizer,
                                 model.config.params_dtype)
     return ModelEngine(module, groups), optimizer, spec
@@ -184,12 +184,12 @@ def save_reward_model(engine: ModelEngine, spec, groups, cfg: Config, init_folde
 
 def train_reward_model(cfg: Config) -> int:
     from hybridrl.roles import init_model_folder
-    from hybridrl.trainer_loop import _setup
+    from hybridrl.trainer_loop import setup_run
 
     rm, tc = cfg.reward_model, cfg.reward_model.train
     if not rm.path:
         raise ConfigError("reward_model.path is empty; set it to the folder the reward model is written to")
-    _, tokenizer, layout, groups, train_loader, val_loader = _setup(cfg)
+    _, tokenizer, layout, groups, train_loader, val_loader = setup_run(cfg)
     if tc.batch_size % layout.dp or val_loader is None:
         raise ConfigError(f"reward_model.train.batch_size={tc.batch_size} must be a multiple of dp={layout.dp}, and "
                           "data.val_files must be set (held-out pairs come from them)")

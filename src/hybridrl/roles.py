@@ -63,8 +63,9 @@ def training_overrides(cfg: Config) -> dict:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def _trainable(module, cfg: Config):
-    """Wrap in megatron DDP (gradient buffers, DP all-reduce in finalize_model_grads)."""
+def wrap_trainable(module, cfg: Config):
+    """Wrap a role's model in megatron DDP (gradient buffers, DP all-reduce in finalize_model_grads);
+    shared by the RL, SFT and reward-model trainers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     config = module.config
@@ -122,7 +123,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     temperature = cfg.rollout.temperature
     recompute = training_overrides(cfg)
     actor_model, spec = model_from_hf(folder, groups, dtype, **recompute)
-    actor_module = _trainable(actor_model, cfg)
+    actor_module = wrap_trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
                                 cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)
     actor = ActorWorker(ModelEngine(actor_module, groups), actor_opt, cfg.actor, spec.vocab_size, temperature,
@@ -136,7 +137,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     critic = None
     if cfg.algorithm.uses_critic:
         critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, dtype, seed=cfg.model.seed, **recompute)
-        critic_module = _trainable(critic_model, cfg)
+        critic_module = wrap_trainable(critic_model, cfg)
         critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
                                      cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
         critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic, cfg.data.max_response_length)

@@ -43,7 +43,7 @@ def _endless(loader):
             return
 
 
-def _trainable(roles) -> dict:
+def _checkpointed_roles(roles) -> dict:
     """The roles a checkpoint holds: {"actor": ActorWorker, "critic": CriticWorker (PPO only)}."""
     return {name: w for name, w in (("actor", roles.actor), ("critic", roles.critic)) if w is not None}
 
@@ -57,7 +57,7 @@ def _save(saver: CheckpointWriter, trainer, loader, step: int) -> None:
 
     meta = {"data": loader.state_dict(), "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
             "hf_config": load_hf_config(trainer.roles.hf_folder)}
-    saver.save(step, _trainable(trainer.roles), meta)
+    saver.save(step, _checkpointed_roles(trainer.roles), meta)
 
 
 def _profile_line(step: int, m: dict) -> str:
@@ -69,7 +69,9 @@ def _profile_line(step: int, m: dict) -> str:
     return line + f" | Critic: {critic} | Total: {t('step'):.2f} s/step"
 
 
-def _setup(cfg: Config):
+def setup_run(cfg: Config):
+    """Process groups, tokenizer, layout and data loaders of one run (the RL trainer's, and the
+    reward-model trainer's, which shares them): (launch env, tokenizer, layout, groups, train, val)."""
     from hybridrl.data import make_train_loader, make_val_loader
     from hybridrl.data_synthetic import ensure_synthetic_data
     from hybridrl.layout import derive_layout
@@ -96,7 +98,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
 
-    le, tokenizer, layout, groups, train_loader, val_loader = _setup(cfg)
+    le, tokenizer, layout, groups, train_loader, val_loader = setup_run(cfg)
     tc = cfg.trainer
     ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep)
     resume_from = None if dry_run else ckpt.resolve(tc.resume_mode)  # a bad path fails before any model is built
@@ -162,7 +164,7 @@ def _resume(trainer, path, loader) -> int:
     if path is None:
         return 0
     trainer.hybrid.enter("checkpoint")  # loaded in place: every trainable state on the device
-    meta = load_checkpoint(path, _trainable(trainer.roles), _layout(trainer.groups))
+    meta = load_checkpoint(path, _checkpointed_roles(trainer.roles), _layout(trainer.groups))
     loader.load_state_dict(meta["data"])
     trainer.kl_ctrl.value = meta["kl_coef"]
     trainer.sync_rollout_weights()

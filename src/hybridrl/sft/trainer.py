@@ -27,13 +27,13 @@ from hybridrl.workers.update import finish_step
 class SFTTrainer:
     def __init__(self, cfg: Config, groups, tokenizer, total_steps: int):
         from hybridrl.models.hf_checkpoint import model_from_hf
-        from hybridrl.roles import _trainable, init_model_folder, training_overrides
+        from hybridrl.roles import init_model_folder, training_overrides, wrap_trainable
         from hybridrl.workers.optim import build_optimizer
 
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
         self.init_folder = init_model_folder(cfg, tokenizer.vocab_size)
         model, self.spec = model_from_hf(self.init_folder, groups, cfg.model.params_dtype, **training_overrides(cfg))
-        module = _trainable(model, cfg)
+        module = wrap_trainable(model, cfg)
         self.engine = ModelEngine(module, groups)
         self.optimizer = build_optimizer(module, cfg.sft.optim, groups, total_steps,
                                          cfg.parallel.use_distributed_optimizer, model.config.params_dtype)
