@@ -3,7 +3,8 @@
 Same bench model folder and tokenizer as bench_grpo_vs_trl.py (eos unreachable: exactly 32 new
 tokens), 32 prompts x 1 sample per step, one PPO epoch of one mini-batch (one AdamW step for the
 policy and one for the value model), KL penalty k1 x 0.05 in the reward against a frozen reference,
-GAE gamma 1 lam 0.95, clip 0.2, value clip 0.2, T=1, no grad clipping (TRL's PPO does not clip),
+GAE gamma 1 lam 0.95, old log-probs from generation on both sides (TRL: generate's scores;
+hybridrl: algorithm.rollout_correction.bypass_mode, verl's name for it), clip 0.2, value clip 0.2, T=1, no grad clipping (TRL's PPO does not clip),
 fp32, 2 threads, the digit-share reward of trivial_reward.py (TRL: as a reward model, see
 ppo_trl_side.py). The value model on both sides is the policy's trunk with a fresh scalar head.
 TRL 1.0.0 ships `trl.experimental.ppo` (1.16 does not): --trl-python points at that environment
@@ -21,9 +22,11 @@ N = 32  # rows per step
 
 
 def training_passes(hybridrl_stages: dict) -> dict:
-    return {"hybridrl": [("old log-prob fwd", N, SEQ, True, False), ("ref fwd", N, SEQ, True, False),
-                         ("values fwd", N, SEQ, False, False), ("critic fwd+bwd", N, SEQ, False, True),
-                         ("actor fwd+bwd", N, SEQ, True, True)],
+    hybridrl = [("ref fwd", N, SEQ, True, False), ("values fwd", N, SEQ, False, False),
+                ("critic fwd+bwd", N, SEQ, False, True), ("actor fwd+bwd", N, SEQ, True, True)]
+    if "old_log_prob" in hybridrl_stages:  # absent in bypass mode: the engine's log-probs are the old ones
+        hybridrl.insert(0, ("old log-prob fwd", N, SEQ, True, False))
+    return {"hybridrl": hybridrl,
             "TRL": [("ref fwd", N, SEQ, True, False), ("value fwd", N, SEQ, False, False),
                     ("policy fwd+bwd", N, SEQ, True, True), ("value fwd+bwd", N, SEQ, False, True)]}
 
@@ -37,7 +40,7 @@ PPO = tc.Comparison(
     trl_rollout_stage="generate (batch_generation)",
     stages=("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights"),
     overrides=("algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95",
-               "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.kl_coef=0.05",
+               "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", "algorithm.rollout_correction.bypass_mode=true", "algorithm.kl_ctrl.kl_coef=0.05",
                "data.max_response_length=32", "data.train_batch_size=32", "rollout.n=1", "actor.ppo_mini_batch_size=32",
                "critic.ppo_mini_batch_size=32", f"actor.optim.lr={LR}", f"critic.optim.lr={LR}",
                "actor.optim.clip_grad=0", "critic.optim.clip_grad=0", "critic.cliprange_value=0.2",
@@ -46,8 +49,8 @@ PPO = tc.Comparison(
                "critic.ppo_max_token_len_per_gpu=4096"),
     lr=LR, profiled="update_critic", passes=training_passes,
     notes={"lengths": " (TRL ends a response at a sampled pad token)",
-           "bound": " (TRL takes the old log-probs from generate's scores; with the KL in the reward hybridrl "
-                    "needs them before the advantages, so its separate old-log-prob pass stays)"})
+           "bound": " (both sides take the old log-probs from generation: TRL from generate's scores, hybridrl "
+                    "in bypass mode from the engine, so neither runs an old-log-prob pass)"})
 
 if __name__ == "__main__":
     tc.main(PPO, __doc__)

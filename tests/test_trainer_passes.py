@@ -21,7 +21,7 @@ def _overrides(tmp, extra=()):
 
 def _two_trainers(tmp, extra):
     """One step of the same batch on two trainers built alike: the first takes its old log-probs
-    from the update (when the config allows), the second always runs the separate pass."""
+    where the config says ("update" or "rollout"), the second always runs the separate pass."""
     from hybridrl.config_io import load_config
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
@@ -34,8 +34,8 @@ def _two_trainers(tmp, extra):
     out = []
     for own in (True, False):
         trainer = PPOTrainer(cfg, layout, groups, tok, build_roles(cfg, groups, tok, 4), RewardManager(cfg.reward), None)
-        allowed = trainer.old_log_prob_from_update
-        trainer.old_log_prob_from_update = own and allowed
+        allowed = trainer.old_log_prob_source
+        trainer.old_log_prob_source = allowed if own else "pass"
         trainer.sync_rollout_weights()
         metrics = trainer.train_step(prompts, 1)
         params = [p.detach().clone() for p in trainer.actor.engine.module.parameters()]
@@ -46,7 +46,7 @@ def _two_trainers(tmp, extra):
 @pytest.mark.parametrize("world", [1, 2])
 def test_own_old_log_probs_give_the_two_pass_step(tmp_path, world):
     own, two = run_distributed(_two_trainers, world, str(tmp_path), [])[0]
-    assert own["allowed"], "ppo_epochs 1, one mini-batch, no KL in reward: the update's forward is used"
+    assert own["allowed"] == "update", "ppo_epochs 1, one mini-batch, no KL in reward: the update's forward is used"
     assert "timing_s/old_log_prob" not in own["metrics"] and "timing_s/old_log_prob" in two["metrics"]
     keys = {k for k in two["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))}
     assert keys <= set(own["metrics"])
@@ -63,7 +63,35 @@ def test_own_old_log_probs_give_the_two_pass_step(tmp_path, world):
 def test_separate_old_log_prob_pass_where_needed(tmp_path, extra):
     from hybridrl.config_io import load_config
     from hybridrl.layout import derive_layout
-    from hybridrl.workers.actor import old_log_prob_from_update
+    from hybridrl.workers.actor import old_log_prob_source
 
     cfg = load_config(TINY, _overrides(tmp_path, extra))
-    assert not old_log_prob_from_update(cfg, derive_layout(cfg, 1, vocab_size=64))
+    assert old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64)) == "pass"
+
+
+def test_bypass_mode_takes_the_engines_log_probs_as_old(tmp_path):
+    """verl's rollout_correction.bypass_mode: no old-log-prob pass, even where one is otherwise needed
+    (KL in the reward); the engine's log-probs equal the trainer's to fp32 round-off here, so the step
+    equals the two-pass step to that tolerance."""
+    extra = ["algorithm.use_kl_in_reward=true", "algorithm.rollout_correction.bypass_mode=true"]
+    bypass, two = run_distributed(_two_trainers, 1, str(tmp_path), extra)[0]
+    assert bypass["allowed"] == "rollout"
+    assert "timing_s/old_log_prob" not in bypass["metrics"] and "timing_s/old_log_prob" in two["metrics"]
+    assert "rollout/logprob_diff_mean" not in bypass["metrics"]  # nothing to compare against
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/rewards/mean", "critic/advantages/mean"):
+        a, b = bypass["metrics"][key], two["metrics"][key]
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (key, a, b)
+    for a, b in zip(bypass["params"], two["params"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_bypass_mode_refuses_an_importance_correction(tmp_path):
+    from hybridrl.config import ConfigError
+    from hybridrl.config_io import load_config
+    from hybridrl.layout import derive_layout
+    from hybridrl.workers.actor import old_log_prob_source
+
+    cfg = load_config(TINY, _overrides(tmp_path, ["algorithm.rollout_correction.bypass_mode=true",
+                                                  "actor.rollout_is_threshold=2.0"]))
+    with pytest.raises(ConfigError, match="rollout_is_threshold"):
+        old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64))

@@ -381,6 +381,13 @@ class KLControlConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    bypass_mode: bool = False
+    """verl's bypass mode (loss_type ppo_clip): the rollout engine's log-probs are the old log-probs,
+    so no separate old-log-prob pass runs; the PPO ratio is then actor / rollout engine."""
+
+
+@dataclass(frozen=True)
 class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
@@ -412,6 +419,8 @@ class AlgorithmConfig:
     """Controller of the reward-penalty coefficient."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Where the old log-probs come from when the engine's may stand in for them."""
 
     def __post_init__(self):
         _one_of("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)

@@ -27,7 +27,7 @@ from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
 from hybridrl.validation import metrics_from_samples
-from hybridrl.workers.actor import old_log_prob_from_update
+from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.engine import dp_sum
 from hybridrl.workers.micro_batches import resolve_batching
 
@@ -57,7 +57,7 @@ class PPOTrainer:
                                     "ref": self.ref and self.ref.offloader,
                                     "reward_model": roles.reward_model and roles.reward_model.offloader})
         self.batching = resolve_batching(cfg)
-        self.old_log_prob_from_update = old_log_prob_from_update(cfg, layout)
+        self.old_log_prob_source = old_log_prob_source(cfg, layout)
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self, prompts, step: int, update: bool = True, next_prompts=None) -> Dict[str, float]:
@@ -67,8 +67,12 @@ class PPOTrainer:
         step_start = time.perf_counter()
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts)
         actor_steps = step > cfg.trainer.critic_warmup or self.critic is None
-        own_old = actor_steps and self.old_log_prob_from_update
-        if not own_old:
+        source = self.old_log_prob_source
+        if source == "update" and not actor_steps:
+            source = "pass"
+        if source == "rollout":
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif source == "pass":
             with t("old_log_prob"):
                 self.hybrid.enter("old_log_prob")
                 batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_prob(
@@ -89,7 +93,7 @@ class PPOTrainer:
                 self.hybrid.enter("update_critic")
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
                                                          self.batching.critic_update, apply=update))
-        if actor_steps:  # with own_old, the update's forward also gives batch["old_log_probs"]
+        if actor_steps:  # with source "update", the update's forward also gives batch["old_log_probs"]
             with t("update_actor"):
                 self.hybrid.enter("update_actor")
                 metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
@@ -98,7 +102,7 @@ class PPOTrainer:
             with t("update_weights"):
                 self.sync_rollout_weights()
         t.seconds["step"] = time.perf_counter() - step_start
-        metrics.update(self.rollout_metrics(batch, batch["old_entropy"]))
+        metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
         metrics.update(t.metrics())
         return metrics
 
@@ -218,16 +222,21 @@ class PPOTrainer:
                                      rm_scores, response_attention_mask=real))
         return metrics
 
-    def rollout_metrics(self, batch, entropy) -> Dict[str, float]:
+    def rollout_metrics(self, batch, entropy=None) -> Dict[str, float]:
+        """Engine-vs-trainer log-prob agreement and the old policy's entropy, when a trainer pass computed
+        the old log-probs (entropy given); in bypass mode the engine's are the old ones: neither is measured."""
         g, mask = self.groups, batch["response_mask"]
-        diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+        measured = entropy is not None
+        diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask if measured else mask * 0
         sums = dp_sum({"tokens": batch["attention_mask"].sum().item(), "generated": mask.sum().item(),
-                       "diff": diff.sum().item(), "entropy": (entropy * mask).sum().item(), **turn_sums(batch)}, g)
+                       "diff": diff.sum().item(), "entropy": (entropy * mask).sum().item() if measured else 0.0,
+                       **turn_sums(batch)}, g)
         generated = max(sums["generated"], 1.0)
-        out = {"rollout/logprob_diff_mean": sums["diff"] / generated,
-               "rollout/logprob_diff_max": gather_dp(diff.max().reshape(1), g).max().item(),
-               "actor/entropy_old": sums["entropy"] / generated,
-               "perf/rollout_tokens": sums["generated"], **turn_metrics(sums)}
+        out = {"perf/rollout_tokens": sums["generated"], **turn_metrics(sums)}
+        if measured:
+            out.update({"rollout/logprob_diff_mean": sums["diff"] / generated,
+                        "rollout/logprob_diff_max": gather_dp(diff.max().reshape(1), g).max().item(),
+                        "actor/entropy_old": sums["entropy"] / generated})
         n_tokens = sums["tokens"]
         out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
         return out

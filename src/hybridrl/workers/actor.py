@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 
 from hybridrl import algos
-from hybridrl.config import ActorConfig, Config
+from hybridrl.config import ActorConfig, Config, ConfigError
 from hybridrl.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.workers.micro_batches import MicroBatching, run_per_row
@@ -65,14 +65,22 @@ class LogProbWorker:
         return out["log_probs"], out.get("entropy")
 
 
-def old_log_prob_from_update(cfg: Config, layout) -> bool:
-    """True when the actor update's own forward gives the old log-probs exactly: one optimizer step
-    per rollout batch (ppo_epochs 1, one mini-batch), so the policy is unchanged until that forward,
-    and nothing needs them before the update (KL in the reward) or as a separate recomputation
-    (rollout_is_threshold corrects the engine against the trainer's own pass)."""
+def old_log_prob_source(cfg: Config, layout) -> str:
+    """Where a step's old log-probs come from: "rollout" (algorithm.rollout_correction.bypass_mode:
+    the engine's own), "update" (the actor update's forward gives them exactly: one optimizer step
+    per rollout batch, ppo_epochs 1 and one mini-batch, so the policy is unchanged until that forward,
+    and nothing needs them before the update, as KL in the reward does, or as a separate
+    recomputation, as rollout_is_threshold does), else "pass" (a forward of their own)."""
     a = cfg.actor
-    return (a.ppo_epochs == 1 and layout.actor_mini_batch_samples == layout.samples_per_step
-            and a.rollout_is_threshold is None and not cfg.algorithm.use_kl_in_reward)
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        if a.rollout_is_threshold is not None:
+            raise ConfigError("algorithm.rollout_correction.bypass_mode uses the engine's log-probs as the old ones, "
+                              "so actor.rollout_is_threshold has nothing to correct; unset one of them")
+        return "rollout"
+    if (a.ppo_epochs == 1 and layout.actor_mini_batch_samples == layout.samples_per_step
+            and a.rollout_is_threshold is None and not cfg.algorithm.use_kl_in_reward):
+        return "update"
+    return "pass"
 
 
 UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
