@@ -4,7 +4,8 @@ Same bench model folder and tokenizer as bench_grpo_vs_trl.py (eos unreachable: 
 tokens), 32 prompts x 1 sample per step, one PPO epoch of one mini-batch (one AdamW step for the
 policy and one for the value model), KL penalty k1 x 0.05 in the reward against a frozen reference,
 GAE gamma 1 lam 0.95, old log-probs from generation on both sides (TRL: generate's scores;
-hybridrl: algorithm.rollout_correction.bypass_mode, verl's name for it), clip 0.2, value clip 0.2, T=1, no grad clipping (TRL's PPO does not clip),
+hybridrl: algorithm.rollout_correction.bypass_mode, verl's name for it), clip 0.2, value clip 0.2,
+T=1, no grad clipping (TRL's PPO does not clip),
 fp32, 2 threads, the digit-share reward of trivial_reward.py (TRL: as a reward model, see
 ppo_trl_side.py). The value model on both sides is the policy's trunk with a fresh scalar head.
 TRL 1.0.0 ships `trl.experimental.ppo` (1.16 does not): --trl-python points at that environment
@@ -40,7 +41,8 @@ PPO = tc.Comparison(
     trl_rollout_stage="generate (batch_generation)",
     stages=("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights"),
     overrides=("algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95",
-               "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", "algorithm.rollout_correction.bypass_mode=true", "algorithm.kl_ctrl.kl_coef=0.05",
+               "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.kl_coef=0.05",
+               "algorithm.rollout_correction.bypass_mode=true",
                "data.max_response_length=32", "data.train_batch_size=32", "rollout.n=1", "actor.ppo_mini_batch_size=32",
                "critic.ppo_mini_batch_size=32", f"actor.optim.lr={LR}", f"critic.optim.lr={LR}",
                "actor.optim.clip_grad=0", "critic.optim.clip_grad=0", "critic.cliprange_value=0.2",
