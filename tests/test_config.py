@@ -171,7 +171,7 @@ def test_batch_divisible_by_dp_and_micro():
 def test_valid_layout_derives_sizes():
     layout = derive_layout(load_config(TINY, ["parallel.tensor_model_parallel_size=2"]), 4)
     assert (layout.tp, layout.pp, layout.dp) == (2, 1, 2)
-    assert layout.samples_per_step == 16 * 4 and layout.samples_per_step_per_dp == 32
+    assert layout.samples_per_step == 32 * 8 and layout.samples_per_step_per_dp == 128
 
 
 def test_cli_bad_key_is_one_clean_message():

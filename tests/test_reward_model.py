@@ -217,9 +217,9 @@ def test_preference_pairs_are_ordered_by_the_rule():
     assert len(pairs) == 400
     numbers_only = 0
     for p in pairs:
-        truth = rows[p.prompt].ground_truth
-        assert compute_score(tok.decode(p.chosen_ids), truth) == p.chosen_score > p.rejected_score
-        assert compute_score(tok.decode(p.rejected_ids), truth) == p.rejected_score
+        truth = rows[p.prompt].ground_truth  # ranked without the near-miss credit a policy is shaped by
+        assert compute_score(tok.decode(p.chosen_ids), truth, near_miss=False) == p.chosen_score > p.rejected_score
+        assert compute_score(tok.decode(p.rejected_ids), truth, near_miss=False) == p.rejected_score
         for ids in (p.chosen_ids, p.rejected_ids):  # a rollout's shape: stopped by eos, or cut at the limit
             assert 1 <= len(ids) <= 6 and (ids[-1] == tok.eos_token_id or len(ids) == 6)
             assert tok.eos_token_id not in ids[:-1] and tok.pad_token_id not in ids

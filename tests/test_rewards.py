@@ -106,11 +106,23 @@ def test_math_nested_braces_and_boxed_ground_truth():
 # --- arith -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("response, score", [
-    ("7", 1.0), (" 7 ", 1.0), ("7xyz", 0.8), ("7 and more", 0.8), ("5", 0.3), ("12", 0.3),
-    ("5xyz", 0.1), ("77777", 0.1), ("x7", 0.0), ("", 0.0), ("-7", 0.0),
+    ("7", 1.0), (" 7 ", 1.0), ("7xyz", 0.8), ("7 and more", 0.8), ("6", 0.57), ("5", 0.54),
+    ("12", 0.45), ("30", 0.3), ("5xyz", 0.1), ("77777", 0.1), ("x7", 0.0), ("", 0.0), ("-7", 0.0),
 ])
 def test_arith_partial_credit(response, score):
     assert arith.compute_score(response, "7") == score
+
+
+def test_arith_near_misses_rank_by_distance_below_the_exact_answer():
+    scores = [arith.compute_score(str(guess), "9") for guess in (9, 8, 11, 6, 13, 0, 19, 40)]
+    assert scores == sorted(scores, reverse=True) and len(set(scores[:-1])) == 7
+    assert scores[0] == 1.0 and scores[1] < arith.STARTS_WITH_DIGIT + arith.SHORT_NUMBER + arith.NEAR + 1e-9
+    assert scores[-2:] == [0.3, 0.3]                                   # 10 or more away: no near-miss credit
+    assert arith.compute_score("8", "x") == 0.3                        # a non-integer truth: none either
+    assert arith.compute_score("8 apples", "9") == 0.1                 # only short answers earn it
+    unshaped = get_reward_fn("synthetic/arith", shaped=False)          # how preference pairs are ranked
+    assert [unshaped(str(guess), "9") for guess in (9, 8, 40)] == [1.0, 0.3, 0.3]
+    assert get_reward_fn("synthetic/arith")("8", "9") == scores[1]
 
 
 def test_arith_random_policy_is_low_and_short_numbers_are_high():
@@ -159,7 +171,7 @@ def test_manager_builtin_batch():
                                         ["openai/gsm8k", "math", "synthetic/arith", "synthetic/arith", "openai/gsm8k"],
                                         ["72", "\\frac{1}{2}", "7", "9", "1"], [{}] * 5)
     assert scores.dtype == torch.float32
-    assert torch.allclose(scores, torch.tensor([1.0, 1.0, 0.8, 0.3, 0.0]))
+    assert torch.allclose(scores, torch.tensor([1.0, 1.0, 0.8, 0.57, 0.0]))
     # the extracted answer of every built-in (maj@N votes on it); accuracy where the score is shaped
     assert extra["pred"] == ["72", "0.5", "7", "8", ""]
     assert extra["acc"] == [None, None, 1.0, 0.0, None]

@@ -6,8 +6,9 @@ nothing a policy can emit is unseen), or junk alone, or nothing; each either
 stops with eos or runs to `max_response_length` tokens without one, as a rollout does. Half the
 pairs are contrastive: the right and a wrong number with the same continuation, which only the
 sum tells apart (without them a reward model learns the format and never the addition). The data source's rule
-scorer (`rewards.get_reward_fn`, on the decoded text, as PPO scores) orders them: chosen is the
-higher score; candidates with equal scores are redrawn. The response ids are in the actor's
+scorer (`rewards.get_reward_fn`, on the decoded text, as PPO scores, without the near-miss shaping:
+ranking two wrong sums by their distance to the right one would ask the reward model to compute
+that distance) orders them: chosen is the higher score; candidates with equal scores are redrawn. The response ids are in the actor's
 tokenizer, so the reward model later sees exactly what PPO feeds it. Candidates are built from a
 numeric ground truth, so this serves tasks such as synthetic/arith; no model is involved.
 """
@@ -78,7 +79,7 @@ def make_pairs(rows: Sequence, tokenizer, n: int, max_response_tokens: int, seed
     while len(pairs) < n:
         i = rng.randrange(len(rows))
         row = rows[i]
-        score = get_reward_fn(row.data_source)
+        score = get_reward_fn(row.data_source, shaped=False)
         truth = str(row.ground_truth)
         pick = contrastive_responses if rng.random() < contrastive else (
             lambda *args: [candidate_response(*args) for _ in range(2)])

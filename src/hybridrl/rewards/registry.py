@@ -37,15 +37,16 @@ class RewardError(ValueError):
     """A reward that cannot be computed; the message names the row or file and the fix."""
 
 
-def get_reward_fn(data_source: str, gsm8k_method: str = "strict") -> Callable[[str, Any], float]:
-    """The rule scorer fn(solution_str, ground_truth) -> float of a known data_source."""
+def get_reward_fn(data_source: str, gsm8k_method: str = "strict", shaped: bool = True) -> Callable[[str, Any], float]:
+    """The rule scorer fn(solution_str, ground_truth) -> float of a known data_source; `shaped=False`
+    drops shaping that only guides a policy (the synthetic task's near-miss credit)."""
     kind = BUILTIN_REWARDS.get(data_source)
     if kind == "gsm8k":
         return functools.partial(gsm8k.compute_score, method=gsm8k_method)
     if kind == "math":
         return math.compute_score
     if kind == "arith":
-        return arith.compute_score
+        return arith.compute_score if shaped else functools.partial(arith.compute_score, near_miss=False)
     if kind == "arith_exact":
         return arith.compute_exact_score
     raise RewardError(f"no built-in reward for data_source={data_source!r}; known: "
