@@ -38,8 +38,8 @@ def _run(script, overrides, nproc=1, timeout=300):
 
 @pytest.mark.slow
 def test_sft_then_multi_turn_rl(tmp_path):
-    sft = _run("train_sft.py", _paths(tmp_path, tmp_path / "sft"))  # the demo's own warm-up (150 steps)
-    assert "sft loss: first 15 steps" in sft and os.path.isfile(tmp_path / "sft_hf" / "model.safetensors")
+    sft = _run("train_sft.py", _paths(tmp_path, tmp_path / "sft"))  # the demo's own warm-up (200 steps)
+    assert "sft loss: first 20 steps" in sft and os.path.isfile(tmp_path / "sft_hf" / "model.safetensors")
     rl = [f"model.path={tmp_path}/sft_hf", "trainer.test_freq=0", "trainer.val_before_train=false"]
     out = _run("train_ppo.py", _paths(tmp_path, tmp_path / "tp1") + rl + ["trainer.total_training_steps=3"])
     assert "mean reward: first 1 steps" in out and "tool calls per trajectory: first 1 steps" in out

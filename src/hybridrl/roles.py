@@ -38,22 +38,47 @@ class Roles:
 
 
 def init_model_folder(cfg: Config, vocab_size: int) -> str:
-    """model.path, or a random HF model built from the config fields (written by rank 0)."""
+    """model.path, or a random HF model built from the config fields (written by rank 0).
+
+    The folder records the fields it was built from (INIT_RECORD); a run whose model fields or seed
+    differ rebuilds it instead of silently starting from a stale init.
+    """
     if cfg.model.path:
         return cfg.model.path
+    import json
+    import shutil
+
     from hybridrl.models.hf_checkpoint import random_hf_model_folder
 
     m = cfg.model
     folder = os.path.join(cfg.trainer.default_local_dir, "init_hf")
-    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
-        random_hf_model_folder(
-            folder, m.architecture, seed=m.seed, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, vocab_size=m.vocab_size or vocab_size,
-            max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-            rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings, initializer_range=0.02)
+    fields = dict(seed=m.seed, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                  num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                  num_key_value_heads=m.num_key_value_heads, vocab_size=m.vocab_size or vocab_size,
+                  max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+                  rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings, initializer_range=0.02)
+    record = {"architecture": m.architecture, **fields}
+    record_path = os.path.join(folder, INIT_RECORD)
+    if dist.get_rank() == 0 and _read_json(record_path) != record:
+        shutil.rmtree(folder, ignore_errors=True)
+        random_hf_model_folder(folder, m.architecture, **fields)
+        with open(record_path, "w") as f:
+            json.dump(record, f, indent=1)
     dist.barrier()
     return folder
+
+
+INIT_RECORD = "hybridrl_init.json"
+
+
+def _read_json(path: str):
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def training_overrides(cfg: Config) -> dict:

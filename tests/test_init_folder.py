@@ -1,0 +1,33 @@
+"""The random initial model folder (model.path empty) follows the config: a changed seed or size rebuilds it."""
+import json
+import os
+
+from dist_helper import run_distributed
+
+
+def _init_weights(root, overrides_list):
+    """For each override list: the init folder's config.json and one weight tensor, built in turn."""
+    from safetensors.torch import load_file
+
+    from hybridrl.config_io import load_config
+    from hybridrl.roles import init_model_folder
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu.yaml")
+    out = []
+    for overrides in overrides_list:
+        cfg = load_config(config, [f"trainer.default_local_dir={root}", *overrides])
+        folder = init_model_folder(cfg, 64)
+        with open(os.path.join(folder, "config.json")) as f:
+            hidden = json.load(f)["hidden_size"]
+        weights = load_file(os.path.join(folder, "model.safetensors"))
+        out.append((hidden, weights["model.embed_tokens.weight"].clone()))
+    return out
+
+
+def test_init_folder_is_rebuilt_when_seed_or_size_changes(tmp_path):
+    (runs,) = run_distributed(_init_weights, 1, str(tmp_path),
+                              [["model.seed=1"], ["model.seed=1"], ["model.seed=2"], ["model.seed=2", "model.hidden_size=32"]])
+    (h1, w1), (h1b, w1b), (h2, w2), (h3, _) = runs
+    assert (w1 == w1b).all()  # same config: the folder is reused as written
+    assert not (w1 == w2).all()  # another seed: another init, not the stale folder
+    assert (h1, h2, h3) == (64, 64, 32)  # another size: the folder follows the config
