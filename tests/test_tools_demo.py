@@ -6,6 +6,7 @@ tests/test_rollout_trainer_agreement.py: rollout/logprob_diff_mean <= 1e-5, max 
 model keeps calling the tool. A second run at rollout TP 2 over two DP ranks samples the same
 trajectories (seeds per prompt, sample and turn; one collective batch per turn).
 """
+import math
 import os
 import subprocess
 import sys
@@ -36,12 +37,19 @@ def _run(script, overrides, nproc=1, timeout=300):
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """The demo's own SFT warm-up (200 steps), shared by the RL runs of this module."""
+    tmp = tmp_path_factory.mktemp("tools")
+    sft = _run("train_sft.py", _paths(tmp, tmp / "sft"))
+    assert "sft loss: first 20 steps" in sft and os.path.isfile(tmp / "sft_hf" / "model.safetensors")
+    return tmp
+
+
 @pytest.mark.slow
-def test_sft_then_multi_turn_rl(tmp_path):
-    sft = _run("train_sft.py", _paths(tmp_path, tmp_path / "sft"))  # the demo's own warm-up (200 steps)
-    assert "sft loss: first 20 steps" in sft and os.path.isfile(tmp_path / "sft_hf" / "model.safetensors")
-    rl = [f"model.path={tmp_path}/sft_hf", "trainer.test_freq=0", "trainer.val_before_train=false"]
-    out = _run("train_ppo.py", _paths(tmp_path, tmp_path / "tp1") + rl + ["trainer.total_training_steps=3"])
+def test_sft_then_multi_turn_rl(warm, tmp_path):
+    rl = [f"model.path={warm}/sft_hf", "trainer.test_freq=0", "trainer.val_before_train=false"]
+    out = _run("train_ppo.py", _paths(warm, tmp_path / "tp1") + rl + ["trainer.total_training_steps=3"])
     assert "mean reward: first 1 steps" in out and "tool calls per trajectory: first 1 steps" in out
     one = read_scalars(tmp_path / "tp1")
     for step in (1, 2, 3):
@@ -54,9 +62,27 @@ def test_sft_then_multi_turn_rl(tmp_path):
         # response lengths count tool output; the loss mask (what entropy averages over) does not
         assert one["response_length/mean"][step] > one["perf/rollout_tokens"][step] / 64
     # rollout TP 2 over two DP ranks: the same first step
-    _run("train_ppo.py", _paths(tmp_path, tmp_path / "tp2") + rl + ["trainer.total_training_steps=1",
+    _run("train_ppo.py", _paths(warm, tmp_path / "tp2") + rl + ["trainer.total_training_steps=1",
                                                                   "rollout.tensor_model_parallel_size=2"], nproc=2)
     two = read_scalars(tmp_path / "tp2")
     for key in ("rollout/num_turns/mean", "rollout/tool_calls/mean", "rollout/tool_errors/mean", "critic/score/mean",
                 "response_length/mean", "perf/rollout_tokens"):
         assert two[key][1] == pytest.approx(one[key][1], abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator,tp", [("gae", 2), ("rloo", 1), ("reinforce_plus_plus", 1),
+                                           ("reinforce_plus_plus_baseline", 1), ("remax", 1)])
+def test_multi_turn_trains_with_every_estimator(warm, tmp_path, estimator, tp):
+    """Each advantage estimator (GRPO above) updates on trajectories with tool output in them; PPO
+    with its critic at training TP 2."""
+    _run("train_ppo.py", _paths(warm, tmp_path) + [f"model.path={warm}/sft_hf", f"algorithm.adv_estimator={estimator}",
+                                                   f"parallel.tensor_model_parallel_size={tp}", "trainer.test_freq=0",
+                                                   "trainer.val_before_train=false", "trainer.total_training_steps=2"],
+         nproc=tp)
+    scalars = read_scalars(tmp_path)
+    for step in (1, 2):
+        assert scalars["rollout/num_turns/mean"][step] > 1.5  # tool output inside the trained responses
+        assert scalars["actor/grad_norm"][step] > 0 and math.isfinite(scalars["actor/pg_loss"][step])
+    if estimator == "gae":  # the critic learns over the same mask with holes
+        assert math.isfinite(scalars["critic/vf_loss"][2]) and scalars["critic/grad_norm"][1] > 0

@@ -60,6 +60,24 @@ EXTRAS = {("gae", 1, 2): ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len
 
 
 @pytest.mark.slow
+def test_remax_baseline_is_the_greedy_score(tmp_path):
+    """ReMax measures samples against one greedy response per prompt: over a batch that is the whole
+    validation set, the baseline's mean equals validation's greedy reward before training (another
+    code path), at DP 2. The reward (a function of the text) gives a random model varied scores."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return sum(ord(c) % 7 for c in solution_str) / 10.0\n")
+    _torchrun(tmp_path, 2, ["algorithm.adv_estimator=remax", f"data.train_files=[{tmp_path}/data/test.parquet]",
+                            "data.train_batch_size=100", "actor.ppo_mini_batch_size=100",
+                            "actor.ppo_micro_batch_size_per_gpu=100", "trainer.val_before_train=true",
+                            "trainer.total_training_steps=1", f"reward.custom_function.path={reward}"])
+    scalars = read_scalars(tmp_path)
+    greedy = scalars["val-core/synthetic/arith/reward/mean@1"][0]
+    assert greedy > 0 and scalars["actor/grad_norm"][1] > 0
+    assert scalars["critic/remax_baseline/mean"][1] == pytest.approx(greedy, rel=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator,tp,pp,nproc", LAYOUTS)
 def test_torchrun_layouts(tmp_path, estimator, tp, pp, nproc):
     extras = EXTRAS.get((estimator, tp, pp), [])

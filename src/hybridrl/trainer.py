@@ -10,6 +10,7 @@ dynamic_sampling.py (DAPO), validation.py (verl's val-core metrics).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Dict
 
@@ -153,6 +154,8 @@ class PPOTrainer:
         def generate_and_score(p):
             with self.timer("gen"):
                 batch = self.generate(p, self.train_sampling(), step)
+            if self.cfg.algorithm.adv_estimator == "remax":
+                batch["baseline_scores"] = self.remax_baselines(p, step)
             with self.timer("reward"):
                 return (batch, *self.score_details(batch, p, self.cfg.rollout.n))
 
@@ -161,6 +164,16 @@ class PPOTrainer:
             return batch, scores, {}
         return sample_filtered(generate_and_score, prompts, next_prompts, self.cfg, self.groups,
                                self.tok.pad_token_id, step)
+
+    def remax_baselines(self, prompts, step: int) -> torch.Tensor:
+        """ReMax's baseline: the score of one greedy response per prompt (as verl: the same reward,
+        rollout.n copies per prompt, one per sample)."""
+        sampling = dataclasses.replace(self.train_sampling(), n=1, temperature=0.0, top_p=1.0, top_k=-1)
+        with self.timer("gen"):
+            greedy = self.generate(prompts, sampling, step)
+        with self.timer("reward"):
+            scores = self.score(greedy, prompts, 1)
+        return scores.repeat_interleave(self.cfg.rollout.n)
 
     def score(self, batch, prompts, n: int, use_reward_model: bool = True) -> torch.Tensor:
         return self.score_details(batch, prompts, n, use_reward_model)[0]
@@ -209,15 +222,19 @@ class PPOTrainer:
             metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
             self.kl_ctrl.update(float(kl), n_steps=self.cfg.data.train_batch_size)
         values = gather_dp(batch["values"], g) if "values" in batch else None
+        baselines = gather_dp(batch["baseline_scores"], g) if "baseline_scores" in batch else None
         group_index = (torch.arange(mask.shape[0]) // self.cfg.rollout.n).tolist()
         adv, returns = algos.compute_advantages(
             a.adv_estimator, token_rewards=token_rewards, scores=all_scores, values=values, response_mask=mask,
-            group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo)
+            group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo,
+            baseline_scores=baselines)
         batch["advantages"], batch["returns"] = local_slice(adv, g), local_slice(returns, g)
         prompt_mask = gather_dp(batch["prompt_mask"], g)
         R = self.cfg.data.max_response_length
         rm_scores = gather_dp(batch["rm_scores"], g) if "rm_scores" in batch else None
         real = gather_dp(batch["attention_mask"][:, -R:], g)
+        if baselines is not None:  # ReMax: the greedy responses' mean score, what the samples are measured against
+            metrics["critic/remax_baseline/mean"] = baselines.mean().item()
         metrics.update(batch_metrics(all_scores, token_rewards, adv, returns, mask, R, prompt_mask, values,
                                      rm_scores, response_attention_mask=real))
         return metrics
