@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,9 +47,6 @@ def init_model_folder(cfg: Config, vocab_size: int) -> str:
     """
     if cfg.model.path:
         return cfg.model.path
-    import json
-    import shutil
-
     from hybridrl.models.hf_checkpoint import random_hf_model_folder
 
     m = cfg.model
@@ -72,8 +71,6 @@ INIT_RECORD = "hybridrl_init.json"
 
 
 def _read_json(path: str):
-    import json
-
     try:
         with open(path) as f:
             return json.load(f)
