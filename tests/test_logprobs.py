@@ -5,7 +5,9 @@ import torch
 from dist_helper import run_distributed
 
 
-from hybridrl.models.logprobs import shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs
+from hybridrl.models import logprobs
+from hybridrl.models.logprobs import (shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs,
+                                         vocab_parallel_token_stats)
 
 B, S, V, V_PAD, T = 2, 5, 251, 256, 0.7
 
@@ -67,6 +69,46 @@ def test_single_rank_matches_reference(temperature):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
 
 
+def _fused(logits_local, labels, w_lp, w_ent, group, temperature, chunk):
+    logprobs.CHUNK_ELEMENTS = chunk
+    x = logits_local.clone().requires_grad_()
+    logp, ent = vocab_parallel_token_stats(x[:, 1:], labels[:, 1:], group, V, temperature)
+    ((w_lp[:, 1:] * logp).sum() + (w_ent[:, 1:] * ent).sum()).backward()
+    return logp.detach(), ent.detach(), x.grad
+
+
+def _tp2_fused(temperature, chunk):
+    import torch.distributed as dist
+
+    logits, labels, w_lp, w_ent = _data()
+    return _fused(logits.chunk(2, dim=-1)[dist.get_rank()], labels, w_lp, w_ent, dist.group.WORLD, temperature, chunk)
+
+
+def _fused_reference(temperature):
+    logits, labels, w_lp, w_ent = _data()
+    w_lp, w_ent = w_lp.clone(), w_ent.clone()
+    w_lp[:, 0] = w_ent[:, 0] = 0  # position 0 is outside the scored slice: no gradient there
+    lp, ent, grad = _reference(logits, labels, w_lp, w_ent, temperature)
+    return lp[:, 1:], ent[:, 1:], grad
+
+
+# chunks of several rows, of one row, of one position (V_PAD / 2 logits on a TP rank)
+@pytest.mark.parametrize("chunk", [1 << 23, (S - 1) * V_PAD, V_PAD // 2])
+def test_fused_chunked_stats_match_reference_on_a_slice(chunk, monkeypatch):
+    """Log-probs and entropy in one pass over a slice of the positions, processed in chunks, with
+    the gradient of both: equal to the reference on one rank and across TP 2."""
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
+    want = _fused_reference(T)
+    logits, labels, w_lp, w_ent = _data()
+    for got, ref in zip(_fused(logits, labels, w_lp, w_ent, None, T, chunk), want):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+    outs = run_distributed(_tp2_fused, 2, T, chunk)
+    for lp, ent, _ in outs:
+        torch.testing.assert_close(lp.double(), want[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent.double(), want[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([g for _, _, g in outs], dim=-1).double(), want[2], atol=1e-5, rtol=0)
+
+
 def test_bf16_logits_give_fp32_results_and_bf16_grads():
     logits, labels, w_lp, w_ent = _data()
     lp, ent, grad = _ours(logits.bfloat16(), labels, w_lp, w_ent, None, 1.0)
@@ -82,3 +124,32 @@ def test_shift_scores_next_token_from_current_logits():
     want = torch.log_softmax(logits[:, :-1, :V].double(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert got.shape == (B, S - 1)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+def _tp2_all_padding_rank():
+    import torch.distributed as dist
+
+    logits, labels, w_lp, w_ent = _data()
+    labels = labels % 100  # every label on rank 0
+    x = logits.chunk(2, dim=-1)[dist.get_rank()].clone().requires_grad_()
+    lp, ent = vocab_parallel_token_stats(x, labels, dist.group.WORLD, 100, T)  # rank 1 holds padding only
+    ((w_lp * lp).sum() + (w_ent * ent).sum()).backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+@pytest.mark.distributed
+def test_a_rank_holding_only_vocab_padding_adds_nothing():
+    """A tiny vocabulary padded for TP leaves a rank without real columns: its share is zero, not NaN."""
+    logits, labels, w_lp, w_ent = _data()
+    labels = labels % 100
+    x = logits[..., :100].double().requires_grad_()
+    logp_all = torch.log_softmax(x / T, dim=-1)
+    ref_lp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ((w_lp * ref_lp).sum() + (w_ent * ref_ent).sum()).backward()
+    outs = run_distributed(_tp2_all_padding_rank, 2)
+    for lp, ent, _ in outs:
+        torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[0][2][..., :100].double(), x.grad, atol=1e-5, rtol=0)
+    assert torch.all(outs[0][2][..., 100:] == 0) and torch.all(outs[1][2] == 0)

@@ -112,6 +112,34 @@ def test_activation_bytes_by_hand():
     assert mem.kv_bytes_per_token(ARCH, 2, 1, "bfloat16") == 2 * 4 * 1 * 4 * 2  # 1 KV head kept per rank
 
 
+@pytest.mark.parametrize("grad,entropy,chunk", [(True, True, 1 << 23), (True, False, 1 << 23),
+                                               (False, True, 1 << 23), (True, True, 2048), (False, True, 2048)])
+def test_loss_side_bytes_are_the_measured_peak_of_the_log_prob_function(grad, entropy, chunk, monkeypatch):
+    """The planner's loss side equals the peak of new storage while the real log-prob / entropy
+    function runs forward (and backward) over a response slice of the logits, as the actor calls it,
+    in one chunk or many. Before it worked in chunks it held 7 vocab-wide fp32 tensors at once."""
+    import torch
+
+    from hybridrl.models import logprobs
+    from hybridrl.reshard import LiveTensorMeter
+    from hybridrl.workers.actor import response_logits
+
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(mem, "CHUNK_ELEMENTS", chunk)
+    b, s, r = 3, 20, 12
+    vp = ARCH.padded_vocab(1)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, s, vp, generator=g).requires_grad_(grad)
+    labels = torch.randint(0, ARCH.vocab_size, (b, r), generator=g)
+    with torch.set_grad_enabled(grad), LiveTensorMeter() as meter:
+        lp, ent = logprobs.vocab_parallel_token_stats(response_logits(logits, r), labels, None, ARCH.vocab_size,
+                                                      0.7, entropy)
+        if grad:
+            (lp.sum() + (ent.sum() if entropy else 0)).backward()
+    planned = mem.loss_side_bytes(ARCH, s, r, b, 1, "float32", grad)  # with grad: logits.grad included
+    assert meter.peak == pytest.approx(planned, rel=0.02, abs=4096)
+
+
 def test_model_dims_placeholder_path(tmp_path):
     model = ModelConfig(path="/path/to/Nowhere", hidden_size=32, num_layers=3, vocab_size=99)
     with pytest.raises(ConfigError, match="no config.json"):

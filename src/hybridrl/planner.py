@@ -252,7 +252,7 @@ def _forward_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     items = _base(ctx, stage, phase)
     last = stage == ctx.layout.pp - 1
     forward = mem.forward_bytes(ctx.arch, ctx.seq, micro, ctx.layout.tp, ctx.dtype, last_stage=last,
-                                scalar_head=role == "critic")
+                                scalar_head=role == "critic", response=ctx.cfg.data.max_response_length)
     items.append((f"{role}/forward", forward))
     return Phase(f"{role} values" if role == "critic" else f"{role} log-prob", stage, tuple(items))
 
@@ -293,7 +293,8 @@ def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
                                       ctx.cfg.parallel.recompute_activations, ctx.dtype)
     items.append((f"{role}/activations", acts))
     if stage == lay.pp - 1:
-        head = mem.head_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, ctx.dtype, critic)
+        head = mem.head_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, ctx.dtype, critic,
+                                         response=ctx.cfg.data.max_response_length)
         items.append((f"{role}/{'value_head' if critic else 'logits'}", head))
     return Phase(f"{role} update", stage, tuple(items))
 

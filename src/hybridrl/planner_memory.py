@@ -21,8 +21,10 @@ dropout), tensor parallel without sequence parallel:
     scores       a·s²·b·(4 + e) / t fp32 softmax output + its e-byte copy for the value matmul
                                     (one fp32 tensor when e = 4)
 Full recomputation keeps each layer's input (s·b·h·e) and rebuilds one layer at a time in backward.
-Final norm: 3·s·b·h·e. Logits: s·b·Vp/t·(e + 4) (logits plus the fp32 log-softmax saved for the
-log-prob gradient). Checked against the bytes autograd saves in a real fp32 CPU step
+Final norm: 3·s·b·h·e. Logits: s·b·Vp/t·e for every position, plus the loss side over the R
+response positions (`loss_side_bytes`): the log-prob and entropy function works in chunks and
+saves per-token statistics only, so its backward holds the logits' gradient (R·b·Vp/t·e, then
+s·b·Vp/t·e) and two fp32 chunks. Checked against the bytes autograd saves in a real fp32 CPU step
 (tests/test_planner.py: within 3%). Where kernels differ the count is off: a fused RMSNorm saves
 only its input (fewer bytes), torch's composite bf16 RMSNorm on CPU adds fp32 copies (~7% more in
 total), flash attention drops the scores term (much less at long sequences).
@@ -34,6 +36,7 @@ import os
 from dataclasses import dataclass
 
 from hybridrl.config import ConfigError, ModelConfig
+from hybridrl.models.logprobs import CHUNK_ELEMENTS
 
 GIB = 1024 ** 3
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -144,25 +147,47 @@ def stage_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, pp: int, i
     return layers * in_flight * one_layer
 
 
-def head_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, critic: bool = False) -> float:
-    """Last stage: the final norm's saved tensors, plus the logits and fp32 log-softmax (actor/ref)."""
+def loss_side_bytes(arch: Arch, seq: int, response: int, micro: int, tp: int, dtype: str, grad: bool) -> float:
+    """What the fused log-prob / entropy function (`models.logprobs`) adds to the logits over
+    `response` positions: two fp32 temporaries of one chunk while it runs; with grad, in backward,
+    the gradient of the response logits (e bytes) next to the larger of those temporaries and the
+    gradient of all `seq` positions it is then scattered into."""
+    v = arch.padded_vocab(tp) / tp
+    chunk = 2 * min(CHUNK_ELEMENTS, response * micro * v) * 4
+    if not grad:
+        return chunk
+    e = BYTES_PER_ELEMENT[dtype]
+    return response * micro * v * e + max(chunk, seq * micro * v * e)
+
+
+def head_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, critic: bool = False,
+                          response: int = 0) -> float:
+    """Last stage of an update: the final norm's saved tensors, plus for the actor the logits of every
+    position (kept for the log-prob backward) and the loss side over `response` positions."""
     e = BYTES_PER_ELEMENT[dtype]
     norm = 3 * seq * micro * arch.hidden_size * e
     if critic:
         return norm
-    return norm + seq * micro * arch.padded_vocab(tp) / tp * (e + 4)
+    logits = seq * micro * arch.padded_vocab(tp) / tp * e
+    return norm + logits + loss_side_bytes(arch, seq, response, micro, tp, dtype, True)
 
 
 def forward_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, last_stage: bool = True,
-                  scalar_head: bool = False) -> float:
-    """Working memory of a forward without grad (log-probs, values; scores with a scalar head): nothing
-    is saved for backward, so a layer holds at most its input plus its widest intermediates (the
-    MLP's fused gate/up output and the activation of it, or attention's q/k/v and output), plus the
-    logits (or the final norm) on the last pipeline stage."""
+                  scalar_head: bool = False, response: int = 0) -> float:
+    """Working memory of a forward without grad (log-probs, values; scores with a scalar head; the
+    engine's prefill with response 0): nothing is saved for backward, so a layer holds at most its
+    input plus its widest intermediates (the MLP's fused gate/up output and the activation of it, or
+    attention's q/k/v and output), plus on the last pipeline stage the final norm's tensors, the
+    logits and, over `response` positions, the log-prob (and entropy) working set."""
     e, sb = BYTES_PER_ELEMENT[dtype], seq * micro
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     widest = max(3 * arch.intermediate_size, 2 * q + 2 * kv) / tp
-    head = head_activation_bytes(arch, seq, micro, tp, dtype, scalar_head) if last_stage else 0.0
+    head = 0.0
+    if last_stage:
+        head = 3 * sb * arch.hidden_size * e
+        if not scalar_head:
+            head += sb * arch.padded_vocab(tp) / tp * e
+            head += loss_side_bytes(arch, seq, response, micro, tp, dtype, False) if response else 0.0
     return sb * (arch.hidden_size + widest) * e + head
 
 

@@ -13,17 +13,17 @@ import torch
 
 from hybridrl import algos
 from hybridrl.config import ActorConfig, Config, ConfigError
-from hybridrl.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.workers.micro_batches import MicroBatching, run_per_row
 from hybridrl.workers.update import Share, ppo_update
 
 
-def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
-    """Logits at the positions that predict the response tokens: [B, R, V/tp]."""
+def response_logits(logits: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Logits at the positions that predict the response tokens: [B, R, V/tp], a view (the sampling
+    temperature is applied inside the log-prob and entropy functions, on their own fp32 copy)."""
     T = logits.shape[1]
-    out = logits[:, T - response_len - 1:T - 1]
-    return out / temperature if temperature > 0 else out
+    return logits[:, T - response_len - 1:T - 1]
 
 
 class LogProbWorker:
@@ -38,15 +38,13 @@ class LogProbWorker:
         """[b, r] log-probs and entropy (None unless with_entropy); the entropy keeps no autograd
         state unless entropy_grad (a loss term needs it)."""
         R = mb["responses"].shape[1]
-        logits = response_logits(output, R, self.temperature)
-        tp_group = self.engine.groups.tp_group
-        log_probs = vocab_parallel_log_probs(logits, mb["responses"], tp_group, self.vocab_size)
-        if not with_entropy:
-            return log_probs, None
-        if entropy_grad:
-            return log_probs, vocab_parallel_entropy(logits, tp_group, self.vocab_size)
-        with torch.no_grad():  # a metric only: its [b, r, V] softmax and logits are not kept for backward
-            return log_probs, vocab_parallel_entropy(logits, tp_group, self.vocab_size)
+        logits = response_logits(output, R)
+        tp_group, t = self.engine.groups.tp_group, self.temperature if self.temperature > 0 else 1.0
+        log_probs, entropy = vocab_parallel_token_stats(logits, mb["responses"], tp_group, self.vocab_size, t,
+                                                        with_entropy)
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()  # a metric only: backward then skips its term
+        return log_probs, entropy
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, with_entropy: bool = False):
