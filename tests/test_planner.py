@@ -260,7 +260,8 @@ def _held_per_phase(offload: bool) -> tuple:
     cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [
         f"data.train_files=[{tmp}/train.parquet]", f"data.val_files=[{tmp}/test.parquet]", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "rollout.n=2", "algorithm.adv_estimator=gae",
-        "algorithm.use_kl_in_reward=true", f"ref.offload_params={on}", "rollout.free_cache_engine=true"]
+        "algorithm.use_kl_in_reward=true", f"ref.offload_params={on}", "rollout.free_cache_engine=true",
+        "critic.ppo_epochs=2"]  # two critic epochs: the values come from a pass of their own
         + [f"{role}.offload.{part}={on}" for role in ("actor", "critic") for part in ("params", "grads", "optimizer")])
     _, tokenizer, layout, groups, loader, _ = setup_run(cfg)
     roles = build_roles(cfg, groups, tokenizer, 2)
@@ -305,6 +306,16 @@ def test_planned_states_are_what_the_trainer_holds_in_each_phase(offload):
     if offload:  # grads and Adam states idle off the device outside the updates, the sync included
         assert held["weight sync"]["actor/grads"] == held["actor log-prob"]["actor/optimizer"] == 0
         assert held["weight sync"]["actor/weights"] > 0 and held["weight sync"]["rollout/engine_weights"] > 0
+
+
+def test_no_values_phase_where_the_critic_update_gives_the_values():
+    """One critic step per batch: the trainer takes the values from the critic update's forward, so
+    the plan has no critic values phase; with two critic epochs it has one."""
+    names = lambda *o: [p.name for p in estimate(_size_config("qwen2_7b.yaml", *o), 16).phases]  # noqa: E731
+    one_step = names("critic.ppo_mini_batch_size=512")  # the whole batch of 512 prompts
+    assert "critic values" not in one_step and "critic update" in one_step
+    assert "critic values" in names() and "critic values" in names("critic.ppo_mini_batch_size=512",
+                                                                   "critic.ppo_epochs=2")
 
 
 # --- refusals and the command line ----------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The trainer's passes: old log-probs from the actor update's own forward equal a separate pass
-(same step metrics, same parameters), and the separate pass stays wherever the math needs it."""
+"""The trainer's passes: old log-probs from the actor update's own forward, and GAE values from the
+critic update's own forward, equal separate passes (same step metrics, same parameters), and the
+separate passes stay wherever the math needs them."""
 import os
 
 import pytest
@@ -19,9 +20,10 @@ def _overrides(tmp, extra=()):
             f"trainer.default_local_dir={tmp}/ckpt", "rollout.free_cache_engine=false"] + list(extra)
 
 
-def _two_trainers(tmp, extra):
-    """One step of the same batch on two trainers built alike: the first takes its old log-probs
-    where the config says ("update" or "rollout"), the second always runs the separate pass."""
+def _two_trainers(tmp, extra, source="old_log_prob_source"):
+    """One step of the same batch on two trainers built alike: the first takes `source` (its old
+    log-probs, or its values) where the config says, the second always runs the separate pass.
+    Returns per trainer the allowed source, the step's metrics and the actor's and critic's parameters."""
     from hybridrl.config_io import load_config
     from hybridrl.rewards import RewardManager
     from hybridrl.roles import build_roles
@@ -34,27 +36,33 @@ def _two_trainers(tmp, extra):
     out = []
     for own in (True, False):
         trainer = PPOTrainer(cfg, layout, groups, tok, build_roles(cfg, groups, tok, 4), RewardManager(cfg.reward), None)
-        allowed = trainer.old_log_prob_source
-        trainer.old_log_prob_source = allowed if own else "pass"
+        allowed = getattr(trainer, source)
+        setattr(trainer, source, allowed if own else "pass")
         trainer.sync_rollout_weights()
         metrics = trainer.train_step(prompts, 1)
-        params = [p.detach().clone() for p in trainer.actor.engine.module.parameters()]
+        params = [p.detach().clone() for w in (trainer.actor, trainer.critic) if w is not None
+                  for p in w.engine.module.parameters()]
         out.append(dict(allowed=allowed, metrics=metrics, params=params))
     return out
+
+
+def _assert_same_step(own, two, skipped_stage, rel):
+    """The one-pass step skips `skipped_stage` and otherwise reports and updates what the two-pass one does."""
+    assert f"timing_s/{skipped_stage}" not in own["metrics"] and f"timing_s/{skipped_stage}" in two["metrics"]
+    keys = {k for k in two["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))}
+    assert keys <= set(own["metrics"])
+    for key in sorted(keys):
+        a, b = own["metrics"][key], two["metrics"][key]
+        assert abs(a - b) <= rel * max(1.0, abs(b)), (key, a, b)
+    for a, b in zip(own["params"], two["params"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_own_old_log_probs_give_the_two_pass_step(tmp_path, world):
     own, two = run_distributed(_two_trainers, world, str(tmp_path), [])[0]
     assert own["allowed"] == "update", "ppo_epochs 1, one mini-batch, no KL in reward: the update's forward is used"
-    assert "timing_s/old_log_prob" not in own["metrics"] and "timing_s/old_log_prob" in two["metrics"]
-    keys = {k for k in two["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))}
-    assert keys <= set(own["metrics"])
-    for key in sorted(keys):
-        a, b = own["metrics"][key], two["metrics"][key]
-        assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (key, a, b)
-    for a, b in zip(own["params"], two["params"]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    _assert_same_step(own, two, "old_log_prob", 1e-6)
     assert own["metrics"]["actor/ppo_kl"] == 0.0
 
 
@@ -67,6 +75,30 @@ def test_separate_old_log_prob_pass_where_needed(tmp_path, extra):
 
     cfg = load_config(TINY, _overrides(tmp_path, extra))
     assert old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64)) == "pass"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,extra", [(1, ["algorithm.use_kl_in_reward=true"]), (2, []),
+                                         (2, ["parallel.pipeline_model_parallel_size=2"])])
+def test_values_from_the_critic_update_give_the_two_pass_step(tmp_path, world, extra):
+    """GAE with one critic step: the values, returns and advantages taken from the critic update's
+    own forward give the step of a separate values pass (metrics and both models' parameters), at
+    DP 2 and PP 2 too, with the KL penalty in the reward as well."""
+    runs = run_distributed(_two_trainers, world, str(tmp_path), extra, "values_source")
+    for own, two in runs:
+        assert own["allowed"] == "update"
+        _assert_same_step(own, two, "values", 1e-5)
+        assert own["metrics"]["critic/vf_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("extra", [["critic.ppo_epochs=2"], ["critic.ppo_mini_batch_size=2"]])
+def test_separate_values_pass_where_needed(tmp_path, extra):
+    from hybridrl.config_io import load_config
+    from hybridrl.layout import derive_layout
+    from hybridrl.workers.critic import values_source
+
+    cfg = load_config(TINY, _overrides(tmp_path, extra))
+    assert values_source(cfg, derive_layout(cfg, 1, vocab_size=64)) == "pass"
 
 
 def test_bypass_mode_takes_the_engines_log_probs_as_old(tmp_path):

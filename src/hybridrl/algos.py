@@ -66,9 +66,9 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
 # ----------------------------------------------------------------------------- advantage estimators
 
 
-def compute_gae_advantages(token_rewards: Tensor, values: Tensor, response_mask: Tensor,
-                           gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
-    """GAE (Schulman et al.) per token; returns (whitened advantages * mask, returns)."""
+def gae_returns(token_rewards: Tensor, values: Tensor, response_mask: Tensor,
+                gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
+    """GAE (Schulman et al.) per token, each row on its own: (raw advantages, returns = raw + values)."""
     m = _mask_like(response_mask, values)
     B, T = values.shape
     next_value = values.new_zeros(B)
@@ -83,7 +83,14 @@ def compute_gae_advantages(token_rewards: Tensor, values: Tensor, response_mask:
         last_gae = torch.where(m[:, t] != 0, gae_t, last_gae)
         reversed_adv.append(last_gae)
     advantages = torch.stack(reversed_adv[::-1], dim=1)
-    returns = advantages + values  # value targets use the raw advantages
+    return advantages, advantages + values  # value targets use the raw advantages
+
+
+def compute_gae_advantages(token_rewards: Tensor, values: Tensor, response_mask: Tensor,
+                           gamma: float, lam: float) -> Tuple[Tensor, Tensor]:
+    """GAE per token; returns (advantages whitened over the batch * mask, returns)."""
+    advantages, returns = gae_returns(token_rewards, values, response_mask, gamma, lam)
+    m = _mask_like(response_mask, values)
     return masked_whiten(advantages, m) * m, returns
 
 

@@ -32,6 +32,7 @@ from hybridrl import planner_memory as mem
 from hybridrl.config import Config, ConfigError, OffloadConfig
 from hybridrl.layout import Layout, derive_layout
 from hybridrl.offload import HYBRID_PHASES, PARTS
+from hybridrl.workers.critic import values_source
 from hybridrl.workers.micro_batches import MicroBatching, resolve_batching
 
 GIB = mem.GIB
@@ -307,8 +308,10 @@ def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
     phases.append(_forward_phase(ctx, stage, "actor"))
     if ctx.uses_ref:
         phases.append(_forward_phase(ctx, stage, "ref"))
-    if ctx.cfg.algorithm.uses_critic:
-        phases += [_forward_phase(ctx, stage, "critic"), _update_phase(ctx, stage, "critic")]
+    if ctx.cfg.algorithm.uses_critic:  # the values pass runs only where the critic update cannot give them
+        if values_source(ctx.cfg, ctx.layout) == "pass":
+            phases.append(_forward_phase(ctx, stage, "critic"))
+        phases.append(_update_phase(ctx, stage, "critic"))
     phases += [_update_phase(ctx, stage, "actor"), _weight_sync_phase(ctx, stage)]
     if ctx.cfg.trainer.save_freq > 0:  # saving needs every trainable state on the device at once
         phases.append(Phase("checkpoint", stage, tuple(_base(ctx, stage, "checkpoint"))))

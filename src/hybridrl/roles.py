@@ -162,7 +162,8 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
         critic_module = wrap_trainable(critic_model, cfg)
         critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
                                      cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
-        critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic, cfg.data.max_response_length)
+        critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic, cfg.data.max_response_length,
+                              cfg.algorithm.gamma, cfg.algorithm.lam)
     owners = [(w.engine.module, w.optimizer.optimizer) for w in (actor, critic) if w is not None]
     owners += [(ref.engine.module, None)] if ref is not None else []
     with training_state_offloaded(owners) if cfg.rollout.name == "vllm" else contextlib.nullcontext():

@@ -29,6 +29,7 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
 from hybridrl.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
+from hybridrl.workers.critic import values_source
 from hybridrl.workers.engine import dp_sum
 from hybridrl.workers.micro_batches import resolve_batching
 
@@ -59,6 +60,7 @@ class PPOTrainer:
                                     "reward_model": roles.reward_model and roles.reward_model.offloader})
         self.batching = resolve_batching(cfg)
         self.old_log_prob_source = old_log_prob_source(cfg, layout)
+        self.values_source = values_source(cfg, layout) if self.critic is not None else None
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self, prompts, step: int, update: bool = True, next_prompts=None) -> Dict[str, float]:
@@ -82,11 +84,11 @@ class PPOTrainer:
             with t("ref"):
                 self.hybrid.enter("ref")
                 batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, self.batching.ref_log_prob)
-        if self.critic is not None:
+        if self.values_source == "pass":
             with t("values"):
                 self.hybrid.enter("values")
                 batch["values"] = self.critic.compute_values(batch, self.batching.critic_values)
-        with t("adv"):
+        with t("adv"):  # with values from the critic update, GAE follows it (finish_advantages)
             metrics = self.compute_advantages(batch, scores)
         metrics.update(sample_metrics)
         if self.critic is not None:
@@ -94,6 +96,9 @@ class PPOTrainer:
                 self.hybrid.enter("update_critic")
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
                                                          self.batching.critic_update, apply=update))
+            if "gae_advantages" in batch:
+                with t("adv"):
+                    metrics.update(self.finish_advantages(batch, scores))
         if actor_steps:  # with source "update", the update's forward also gives batch["old_log_probs"]
             with t("update_actor"):
                 self.hybrid.enter("update_actor")
@@ -208,8 +213,8 @@ class PPOTrainer:
         penalty = overlong_penalty(real.sum(-1), self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
         return raw + penalty.to(raw.device), raw, infos
 
-    def compute_advantages(self, batch, scores) -> Dict[str, float]:
-        """KL-in-reward and advantages over the DP-global batch; each rank keeps its slice."""
+    def _token_rewards(self, batch, scores):
+        """(DP-global scores, token rewards with the KL penalty when it is in the reward, mask, metrics)."""
         a, g = self.cfg.algorithm, self.groups
         mask = gather_dp(batch["response_mask"], g)
         all_scores = gather_dp(scores, g)
@@ -221,6 +226,18 @@ class PPOTrainer:
                 mask, self.kl_ctrl.value, a.kl_penalty)
             metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
             self.kl_ctrl.update(float(kl), n_steps=self.cfg.data.train_batch_size)
+        return all_scores, token_rewards, mask, metrics
+
+    def compute_advantages(self, batch, scores) -> Dict[str, float]:
+        """KL-in-reward and advantages over the DP-global batch; each rank keeps its slice. With the
+        values still to come from the critic update (values_source "update"), only the token rewards
+        (batch["token_rewards"]); `finish_advantages` follows the update."""
+        a, g = self.cfg.algorithm, self.groups
+        all_scores, token_rewards, mask, metrics = self._token_rewards(batch, scores)
+        if self.values_source == "update":
+            batch["token_rewards"] = local_slice(token_rewards, g)
+            self._pending_rewards = token_rewards
+            return metrics
         values = gather_dp(batch["values"], g) if "values" in batch else None
         baselines = gather_dp(batch["baseline_scores"], g) if "baseline_scores" in batch else None
         group_index = (torch.arange(mask.shape[0]) // self.cfg.rollout.n).tolist()
@@ -228,16 +245,31 @@ class PPOTrainer:
             a.adv_estimator, token_rewards=token_rewards, scores=all_scores, values=values, response_mask=mask,
             group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo,
             baseline_scores=baselines)
+        if baselines is not None:  # ReMax: the greedy responses' mean score, what the samples are measured against
+            metrics["critic/remax_baseline/mean"] = baselines.mean().item()
+        return {**metrics, **self._advantage_metrics(batch, all_scores, token_rewards, adv, returns, mask, values)}
+
+    def finish_advantages(self, batch, scores) -> Dict[str, float]:
+        """GAE from the values and per-row raw advantages the critic update's forward gave: the same
+        whitening over the DP-global batch as `algos.compute_gae_advantages`."""
+        g = self.groups
+        mask = gather_dp(batch["response_mask"], g)
+        raw = gather_dp(batch.pop("gae_advantages"), g)
+        adv = algos.masked_whiten(raw, mask) * mask
+        returns, values = gather_dp(batch["returns"], g), gather_dp(batch["values"], g)
+        token_rewards, self._pending_rewards = self._pending_rewards, None
+        return self._advantage_metrics(batch, gather_dp(scores, g), token_rewards, adv, returns, mask, values)
+
+    def _advantage_metrics(self, batch, all_scores, token_rewards, adv, returns, mask, values) -> Dict[str, float]:
+        """Keep this rank's slice of advantages and returns; verl's data metrics of the step."""
+        g = self.groups
         batch["advantages"], batch["returns"] = local_slice(adv, g), local_slice(returns, g)
         prompt_mask = gather_dp(batch["prompt_mask"], g)
         R = self.cfg.data.max_response_length
         rm_scores = gather_dp(batch["rm_scores"], g) if "rm_scores" in batch else None
         real = gather_dp(batch["attention_mask"][:, -R:], g)
-        if baselines is not None:  # ReMax: the greedy responses' mean score, what the samples are measured against
-            metrics["critic/remax_baseline/mean"] = baselines.mean().item()
-        metrics.update(batch_metrics(all_scores, token_rewards, adv, returns, mask, R, prompt_mask, values,
-                                     rm_scores, response_attention_mask=real))
-        return metrics
+        return batch_metrics(all_scores, token_rewards, adv, returns, mask, R, prompt_mask, values,
+                             rm_scores, response_attention_mask=real)
 
     def rollout_metrics(self, batch, entropy=None) -> Dict[str, float]:
         """Engine-vs-trainer log-prob agreement and the old policy's entropy, when a trainer pass computed

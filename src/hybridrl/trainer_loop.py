@@ -65,7 +65,7 @@ def _profile_line(step: int, m: dict) -> str:
     tokens = m.get("perf/total_num_tokens", 0.0)
     actor_s = t("old_log_prob") + t("update_actor")
     line = f"[STEP {step}] Rollout: {m.get('perf/rollout_tokens', 0) / t('gen'):.0f} tokens/s | Actor: {tokens / actor_s:.0f} tokens/s"
-    critic = f"{tokens / (t('values') + t('update_critic')):.0f} tokens/s" if "timing_s/values" in m else "n/a"
+    critic = f"{tokens / (t('values') + t('update_critic')):.0f} tokens/s" if "timing_s/update_critic" in m else "n/a"
     return line + f" | Critic: {critic} | Total: {t('step'):.2f} s/step"
 
 

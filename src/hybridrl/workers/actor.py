@@ -16,7 +16,7 @@ from hybridrl.config import ActorConfig, Config, ConfigError
 from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.workers.micro_batches import MicroBatching, run_per_row
-from hybridrl.workers.update import Share, ppo_update
+from hybridrl.workers.update import Share, check_one_step, ppo_update
 
 
 def response_logits(logits: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -140,11 +140,9 @@ class ActorWorker(LogProbWorker):
         exactly; they are stored in batch["old_log_probs"], their entropy in batch["old_entropy"]."""
         self.engine.train(True)
         own_old = "old_log_probs" not in batch
-        rows = batch["response_mask"].shape[0]
-        if own_old and (self.cfg.ppo_epochs != 1 or mini_batch_rows < rows):
-            raise ValueError("old log-probs can come from the update's forward only for one optimizer step "
-                             f"(ppo_epochs={self.cfg.ppo_epochs}, {rows} rows in mini-batches of {mini_batch_rows}); "
-                             "compute them with compute_log_prob first")
+        if own_old:
+            check_one_step("old log-probs", "compute them with compute_log_prob", self.cfg.ppo_epochs,
+                           batch["response_mask"].shape[0], mini_batch_rows)
         keys = [k for k in UPDATE_KEYS if k in batch]
         minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
         metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,

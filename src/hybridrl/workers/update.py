@@ -60,6 +60,13 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
     return mean_of(history), rows_per_step
 
 
+def check_one_step(what: str, fix: str, ppo_epochs: int, rows: int, mini_batch_rows: int) -> None:
+    """`what` can come from an update's own forward only if it is the batch's one optimizer step."""
+    if ppo_epochs != 1 or mini_batch_rows < rows:
+        raise ValueError(f"{what} can come from the update's forward only for one optimizer step "
+                         f"(ppo_epochs={ppo_epochs}, {rows} rows in mini-batches of {mini_batch_rows}); {fix} first")
+
+
 def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True):
     """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss)."""
     summed = {}
