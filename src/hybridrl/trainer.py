@@ -236,7 +236,6 @@ class PPOTrainer:
         all_scores, token_rewards, mask, metrics = self._token_rewards(batch, scores)
         if self.values_source == "update":
             batch["token_rewards"] = local_slice(token_rewards, g)
-            self._pending_rewards = token_rewards
             return metrics
         values = gather_dp(batch["values"], g) if "values" in batch else None
         baselines = gather_dp(batch["baseline_scores"], g) if "baseline_scores" in batch else None
@@ -257,7 +256,7 @@ class PPOTrainer:
         raw = gather_dp(batch.pop("gae_advantages"), g)
         adv = algos.masked_whiten(raw, mask) * mask
         returns, values = gather_dp(batch["returns"], g), gather_dp(batch["values"], g)
-        token_rewards, self._pending_rewards = self._pending_rewards, None
+        token_rewards = gather_dp(batch.pop("token_rewards"), g)
         return self._advantage_metrics(batch, gather_dp(scores, g), token_rewards, adv, returns, mask, values)
 
     def _advantage_metrics(self, batch, all_scores, token_rewards, adv, returns, mask, values) -> Dict[str, float]:
