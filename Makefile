@@ -16,18 +16,24 @@ $(STAMP): requirements.txt setup.py
 
 venv: $(STAMP)
 
+# the optional extras the tests run for real (W&B offline)
+TEST_STAMP := $(VENV)/.test-extras-stamp
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation -e ".[wandb]"
+	@touch $(TEST_STAMP)
+
 demo: venv
-	$(PY) scripts/train_ppo.py --config configs/tiny_cpu.yaml
+	$(PY) scripts/train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
 
 # SFT warm-up on generated tool-use demonstrations, then GRPO with multi-turn tool-calling rollouts
 demo-tools: venv
-	$(PY) scripts/train_sft.py --config configs/tiny_cpu_tools.yaml
-	$(PY) scripts/train_ppo.py --config configs/tiny_cpu_tools.yaml model.path=outputs/tiny_cpu_tools/sft_hf
+	$(PY) scripts/train_sft.py --config configs/tiny_cpu_tools.yaml $(ARGS)
+	$(PY) scripts/train_ppo.py --config configs/tiny_cpu_tools.yaml model.path=outputs/tiny_cpu_tools/sft_hf $(ARGS)
 
-test: venv
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: venv
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

@@ -9,5 +9,5 @@ setup(
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt")
                       if line.strip() and not line.startswith("#") and not line.startswith("pytest")],
-    extras_require={"gpu": ["vllm", "transformer-engine[pytorch]"]},
+    extras_require={"gpu": ["vllm", "transformer-engine[pytorch]"], "wandb": ["wandb==0.30.0"]},
 )

@@ -46,12 +46,12 @@ def _schedule_patch():
 def body(reps: int) -> dict:
     import torch
 
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import setup_run
-    from hybridrl.workers.micro_batches import MicroBatching
+    from hybridrl.trainer.roles import build_roles
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import setup_run
+    from hybridrl.config.batching import MicroBatching
 
     torch.set_num_threads(1)
     cfg = load_config(os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml"), overrides("ablate", 10))

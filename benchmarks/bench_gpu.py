@@ -51,7 +51,7 @@ PHASES = {"generate_sequences": "rollout", "reward": "reward model", "old_log_pr
 
 def config_spec(config: str, smoke: bool = False):
     """GPTSpec of configs/<config>.yaml's architecture (smoke: same head layout, tiny widths)."""
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.models.gpt import GPTSpec
 
     m = load_config(os.path.join(bl.ROOT, "configs", f"{config}.yaml"), []).model
@@ -154,7 +154,7 @@ def handoff(engine, model, spec, groups) -> dict:
     """Seconds per handoff (median, verified and not) and per device memcpy of the same bytes."""
     import torch
 
-    from hybridrl.reshard import update_engine_weights
+    from hybridrl.placement.reshard import update_engine_weights
 
     report = update_engine_weights(engine, model, spec, groups, 64)  # warm-up, and the byte count
     src = torch.ones(report.total_bytes, dtype=torch.uint8, device=DEVICE)
@@ -174,8 +174,8 @@ def memory_vs_planner(tb_dir: str, overrides: list) -> list:
     """[stage, phase, measured GiB or None, planned GiB] for each planner phase the run's stages map to."""
     from gpu_check import median_after_first
 
-    from hybridrl.config_io import load_config
-    from hybridrl.planner import estimate
+    from hybridrl.config.io import load_config
+    from hybridrl.planner.plan import estimate
     from hybridrl.tokenizer import load_tokenizer
 
     cfg = load_config(TINY, overrides)

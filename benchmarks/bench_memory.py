@@ -5,7 +5,7 @@ Two-copy layout: training state resident, plus a second full inference copy (eng
 rollout TP and its KV cache, or vLLM's whole pool) held at the same time: no offload, no
 free_cache_engine. Hybrid: the config as written (offload flags, free_cache_engine).
 
-Planned: `hybridrl.planner.estimate` for each configs/*.yaml at its intended world size;
+Planned: `hybridrl.planner.plan.estimate` for each configs/*.yaml at its intended world size;
 two-copy = max over phases of (phase without rollout/* items, offload off) + inference bytes.
 Measured: two real GRPO steps of the bench model on CPU (`memory_meter`); at each phase (rollout,
 actor log-prob, actor update, weight sync) the bytes of the storages a GPU would hold plus the
@@ -37,7 +37,7 @@ def _world(path: str, cfg) -> int:
 
 
 def planned(cfg, world: int, vocab: int = 0, overhead: bool = True) -> dict:
-    from hybridrl.planner import RUNTIME_OVERHEAD_GIB, estimate, two_copy_peak
+    from hybridrl.planner.plan import RUNTIME_OVERHEAD_GIB, estimate, two_copy_peak
 
     drop = 0.0 if overhead else RUNTIME_OVERHEAD_GIB * GIB
     hybrid = estimate(cfg, world, vocab)
@@ -48,7 +48,7 @@ def planned(cfg, world: int, vocab: int = 0, overhead: bool = True) -> dict:
 
 
 def planned_rows():
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.tokenizer import load_tokenizer
 
     rows = []
@@ -105,8 +105,8 @@ def _flags(offload: bool) -> list:
 
 def planned_phases(run: dict, offload: bool) -> dict:
     """{phase: planned bytes without the runtime overhead} for the bench config at the run's prompt width."""
-    from hybridrl.config_io import load_config
-    from hybridrl.planner import RUNTIME_OVERHEAD_GIB, estimate
+    from hybridrl.config.io import load_config
+    from hybridrl.planner.plan import RUNTIME_OVERHEAD_GIB, estimate
 
     cfg = load_config(TINY, bench_overrides() + _flags(offload) + [f"data.max_prompt_length={run['prompt_width']}"])
     return {p.name: p.total - RUNTIME_OVERHEAD_GIB * GIB for p in estimate(cfg, 1, bl.BENCH_MODEL["vocab_size"]).phases}
@@ -141,7 +141,7 @@ def report(plan_rows, meas: dict) -> str:
     worst = max(h_err, f_err)
     verdicts = [float(r[-2].strip("*")) for r in plan_rows if not r[0].startswith("tiny_cpu")]
     return ("## Memory: hybrid engine vs a two-copy layout\n\n"
-            "Planned per-GPU peak (GiB, `hybridrl.planner.estimate`, each config at its `# launch` world size; "
+            "Planned per-GPU peak (GiB, `hybridrl.planner.plan.estimate`, each config at its `# launch` world size; "
             "two-copy = training state with no offload + inference copy, see `bench_memory.py`):\n\n"
             + bl.table(["config", "GPUs", "rollout", "hybrid peak (phase)", "training", "inference copy",
                         "two-copy", "hybrid / two-copy", "same without the 2 GiB runtime overhead"], plan_rows)

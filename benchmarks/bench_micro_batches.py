@@ -52,7 +52,8 @@ def body(reps: int, budget: int, kk_by_count: dict) -> dict:
     from hybridrl.models.forward import pipeline_forward
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.workers.micro_batches import MicroBatching, plan_micro_batches, split_rows
+    from hybridrl.config.batching import MicroBatching
+    from hybridrl.workers.micro_batches import plan_micro_batches, split_rows
 
     torch.set_num_threads(2)
     groups = init_model_parallel(1, 1)

@@ -53,7 +53,7 @@ def _transport_seconds(model, spec, groups) -> float:
 
     from hybridrl.models import hf_convert as hc
     from hybridrl.models.hf_checkpoint import weight_state
-    from hybridrl.reshard import _all_gather_single
+    from hybridrl.placement.reshard import _all_gather_single
 
     offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
     local = {hc.local_to_global(k, offset): v.detach() for k, v in weight_state(model).items()}
@@ -80,7 +80,7 @@ def body(folder: str, reps: int) -> dict:
     import torch
 
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.reshard import update_engine_weights
+    from hybridrl.placement.reshard import update_engine_weights
     from hybridrl.rollout.native import NativeEngine
 
     out = {}
@@ -156,7 +156,7 @@ def profile_handoff(folder: str) -> str:
 
 def _profile_body(folder: str) -> str:
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.reshard import update_engine_weights
+    from hybridrl.placement.reshard import update_engine_weights
     from hybridrl.rollout.native import NativeEngine
 
     groups = reinit_parallel(2, 1)

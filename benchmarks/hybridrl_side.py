@@ -16,8 +16,8 @@ torch.set_num_threads(2)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 if __name__ == "__main__":
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer_loop import main_loop
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.loop import main_loop
     from stage_profile import StageProfile
 
     stage = os.environ.get("BENCH_PROFILE_STAGE")

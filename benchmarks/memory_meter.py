@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 
-import hybridrl.reshard
-from hybridrl.planner import STATE_KINDS
-from hybridrl.reshard import LiveTensorMeter
+import hybridrl.placement.reshard
+from hybridrl.planner.plan import STATE_KINDS
+from hybridrl.placement.reshard import LiveTensorMeter
 
 PHASES = {"rollout": "generate", "actor log-prob": "compute_log_prob", "actor update": "update_policy",
           "weight sync": "update_engine_weights"}
@@ -34,7 +34,7 @@ class PhaseMeter:
     def __init__(self, trainer):
         self.trainer, self.phases = trainer, {}
         owners = {"generate": trainer.rollout, "compute_log_prob": trainer.actor, "update_policy": trainer.actor,
-                  "update_engine_weights": hybridrl.reshard}  # sync_rollout_weights imports it at each call
+                  "update_engine_weights": hybridrl.placement.reshard}  # sync_rollout_weights imports it at each call
         for phase, method in PHASES.items():
             setattr(owners[method], method, self._wrap(phase, getattr(owners[method], method)))
 
@@ -56,11 +56,11 @@ def run_steps(config_path: str, overrides: list, offload: bool, steps: int = 2) 
     off the device while asleep); otherwise everything stays resident (two-copy layout). Returns
     {"phases": PhaseMeter.phases, "prompt_width": the padded prompt length of the last batch}.
     """
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import setup_run
+    from hybridrl.trainer.roles import build_roles
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import setup_run
 
     flags = "true" if offload else "false"
     cfg = load_config(config_path, overrides + [f"actor.offload.{k}={flags}" for k in ("params", "grads", "optimizer")]

@@ -56,8 +56,8 @@ def _child(stage: str, steps: int) -> None:
     """In the profiled subprocess: profile the stage over a demo run, print the result as JSON."""
     import torch
 
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer_loop import main_loop
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.loop import main_loop
 
     torch.set_num_threads(2)
     profiled = StageProfile(stage)

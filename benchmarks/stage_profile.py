@@ -13,11 +13,11 @@ import io
 import pstats
 
 STAGES = {  # timing_s key -> (module, class, method) that the stage runs
-    "gen": ("hybridrl.trainer", "PPOTrainer", "generate"),
+    "gen": ("hybridrl.trainer.ppo", "PPOTrainer", "generate"),
     "old_log_prob": ("hybridrl.workers.actor", "LogProbWorker", "compute_log_prob"),
     "update_actor": ("hybridrl.workers.actor", "ActorWorker", "update_policy"),
     "update_critic": ("hybridrl.workers.critic", "CriticWorker", "update_critic"),
-    "update_weights": ("hybridrl.trainer", "PPOTrainer", "sync_rollout_weights"),
+    "update_weights": ("hybridrl.trainer.ppo", "PPOTrainer", "sync_rollout_weights"),
 }
 
 

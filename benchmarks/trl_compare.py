@@ -71,7 +71,7 @@ def profile_text(prof: dict, stage: str) -> str:
 
 def prompts_json() -> str:
     """The hybridrl side's synthetic arith prompts, as TRL's plain-text prompts (the same tokens)."""
-    from hybridrl.data_synthetic import arith_rows
+    from hybridrl.data.synthetic import arith_rows
 
     os.makedirs(bl.WORK, exist_ok=True)
     path = os.path.join(bl.WORK, "trl_prompts.json")

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             print(f"wrote tp={args.tp} pp={args.pp} shards of a {spec.num_layers}-layer model to {args.output}")
         return 0
     if args.direction == "ckpt-to-hf":
-        from hybridrl.entry import user_errors
+        from hybridrl.trainer.entry import user_errors
 
         try:
             _ckpt_to_hf(args)

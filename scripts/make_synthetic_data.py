@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from hybridrl.data_synthetic import write_synthetic_arith  # noqa: E402
+from hybridrl.data.synthetic import write_synthetic_arith  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from hybridrl.data_gsm8k import prepare_gsm8k  # noqa: E402
+from hybridrl.data.gsm8k import prepare_gsm8k  # noqa: E402
 
 
 def main(argv=None) -> None:

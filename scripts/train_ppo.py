@@ -2,7 +2,7 @@
 """Entry point: torchrun --nproc_per_node=N scripts/train_ppo.py --config configs/X.yaml [key=value ...]"""
 import sys
 
-from hybridrl.entry import main
+from hybridrl.trainer.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,10 +14,10 @@ import torch
 
 from hybridrl import algos
 from hybridrl.config import MultiTurnConfig
-from hybridrl.data_tools import tool_call_text
+from hybridrl.data.tool_demos import tool_call_text
 from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
 from hybridrl.rollout.base import SamplingParams, expand_requests, pack_output
-from hybridrl.step_batch import assemble
+from hybridrl.trainer.step_batch import assemble
 from hybridrl.tokenizer import TINY_TOOLS_SPEC, load_tokenizer
 
 TOK = load_tokenizer(TINY_TOOLS_SPEC)

@@ -102,7 +102,7 @@ KILL_IN_SAVE = textwrap.dedent("""
             os.killpg(os.getpgid(0), signal.SIGKILL)
         return out
     writer.save_role = save_then_die
-    from hybridrl.entry import main
+    from hybridrl.trainer.entry import main
     sys.exit(main(sys.argv[1:]))
 """)
 

@@ -16,11 +16,11 @@ LAYOUT = {"tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_
 
 
 def _trainer(tmp, tp, pp, extra=()):
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import setup_run
+    from hybridrl.trainer.roles import build_roles
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import setup_run
 
     cfg = load_config(TINY, _overrides(tmp, [f"{LAYOUT['tp']}={tp}", f"{LAYOUT['pp']}={pp}",
                                              "trainer.total_training_steps=4", *extra]))
@@ -52,7 +52,7 @@ def exported(worker, spec, groups) -> dict:
 
 def _save_at_tp2(tmp):
     from hybridrl.checkpoint import CheckpointManager, CheckpointWriter
-    from hybridrl.trainer_loop import _save
+    from hybridrl.trainer.loop import _save
 
     trainer, loader = _trainer(tmp, 2, 1)
     batches = iter(loader)
@@ -65,7 +65,7 @@ def _save_at_tp2(tmp):
 def _resume_at(tmp, path, tp, pp):
     """Resume, export, run one step and save it (the step's checkpoint goes under tmp/ckpt)."""
     from hybridrl.checkpoint import CheckpointManager, CheckpointWriter
-    from hybridrl.trainer_loop import _endless, _resume, _save
+    from hybridrl.trainer.loop import _endless, _resume, _save
 
     trainer, loader = _trainer(tmp, tp, pp)
     step = _resume(trainer, path, loader)
@@ -101,11 +101,11 @@ def test_resume_at_other_layouts(tmp_path):
 def _train_recording(config_path, overrides, snapshot):
     """main_loop with the order of steps, save starts and publications recorded (rank 0 writes the
     folders), and the actor as it was when step 1's save started exported to `snapshot`."""
-    from hybridrl import trainer_loop
+    from hybridrl.trainer import loop as trainer_loop
     from hybridrl.checkpoint.folders import CheckpointManager
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import main_loop
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import main_loop
 
     save = trainer_loop._save
     trainer_loop._save = lambda saver, trainer, loader, step: (

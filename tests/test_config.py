@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from hybridrl.config import ConfigError
-from hybridrl.config_io import all_keys, load_config, nearest_key
-from hybridrl.layout import derive_layout
+from hybridrl.config.io import all_keys, load_config, nearest_key
+from hybridrl.config.layout import derive_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from hybridrl import planner_memory as mem
-from hybridrl.config_io import load_config
-from hybridrl.layout import derive_layout
-from hybridrl.planner import plan, two_copy_peak
+from hybridrl.planner import memory as mem
+from hybridrl.config.io import load_config
+from hybridrl.config.layout import derive_layout
+from hybridrl.planner.plan import plan, two_copy_peak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))

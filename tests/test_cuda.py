@@ -26,11 +26,11 @@ TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 # ---- one trainer step -------------------------------------------------------------------------------
 
 def _trainer_step(overrides):
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import setup_run
+    from hybridrl.trainer.roles import build_roles
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import setup_run
 
     cfg = load_config(TINY, overrides)
     _, tokenizer, layout, groups, train_loader, _ = setup_run(cfg)
@@ -70,7 +70,7 @@ def _fp16_steps():
     from hybridrl.models.gpt import GPTSpec, build_gpt
     from hybridrl.models.logprobs import vocab_parallel_log_probs
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.roles import wrap_trainable
+    from hybridrl.trainer.roles import wrap_trainable
     from hybridrl.workers.optim import MegatronOptimizer
 
     init_model_parallel(1, 1)

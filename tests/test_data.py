@@ -1,4 +1,4 @@
-"""Tests of hybridrl.data (+ data_synthetic): validation errors, length handling, shuffling,
+"""Tests of hybridrl.data.prompts (+ data.synthetic): validation errors, length handling, shuffling,
 DP sharding and resumable loading. All data is written to tmp_path."""
 import logging
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hybridrl.config import DataConfig
-from hybridrl.data import (DataError, PromptDataset, PromptLoader, left_pad, make_train_loader,
+from hybridrl.data.prompts import (DataError, PromptDataset, PromptLoader, left_pad, make_train_loader,
                            make_val_loader)
-from hybridrl.data_synthetic import ensure_synthetic_data, write_synthetic_arith
+from hybridrl.data.synthetic import ensure_synthetic_data, write_synthetic_arith
 from hybridrl.tokenizer import load_tokenizer
 
 
@@ -105,11 +105,11 @@ def test_wrong_types_in_rows(tmp_path, tok):
 def test_overlong_prompts_are_filtered_counted_and_logged(tmp_path, tok, caplog):
     rows = [row("1+1="), row("123456789+1="), row("2+2="), row("99999999+99999="), row("3+3=")]
     path = write(tmp_path / "long.parquet", rows)
-    with caplog.at_level(logging.WARNING, logger="hybridrl.data"):
+    with caplog.at_level(logging.WARNING, logger="hybridrl.data.prompts"):
         ds = PromptDataset(path, tok, DataConfig(max_prompt_length=6))
     assert len(ds) == 3 and ds.num_filtered == 2
     assert [r.index for r in ds.rows] == [0, 2, 4]
-    assert any("filtered 2 of 5" in r.getMessage() and r.name == "hybridrl.data"
+    assert any("filtered 2 of 5" in r.getMessage() and r.name == "hybridrl.data.prompts"
                for r in caplog.records)
 
 

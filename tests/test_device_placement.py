@@ -48,15 +48,15 @@ def _build(overrides):
 
     from virtual_device import VIRTUAL, on_device
 
-    from hybridrl.config_io import load_config
-    from hybridrl.data import make_train_loader, make_val_loader
-    from hybridrl.data_synthetic import ensure_synthetic_data
-    from hybridrl.layout import derive_layout
+    from hybridrl.config.io import load_config
+    from hybridrl.data.prompts import make_train_loader, make_val_loader
+    from hybridrl.data.synthetic import ensure_synthetic_data
+    from hybridrl.config.layout import derive_layout
     from hybridrl.parallel.distributed import init_model_parallel
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
+    from hybridrl.trainer.roles import build_roles
     from hybridrl.tokenizer import load_tokenizer
-    from hybridrl.trainer import PPOTrainer
+    from hybridrl.trainer.ppo import PPOTrainer
 
     cfg = load_config(TINY, overrides)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -80,8 +80,8 @@ def _build(overrides):
 def _step_on_virtual_device(overrides):
     from virtual_device import DeviceMixError, OnDevice, virtual_device
 
-    import hybridrl.trainer as trainer_module
-    from hybridrl.workers.micro_batches import MicroBatching
+    import hybridrl.trainer.ppo as trainer_module
+    from hybridrl.config.batching import MicroBatching
 
     with virtual_device():
         trainer, (train_loader, val_loader) = _build(overrides)

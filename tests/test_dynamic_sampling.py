@@ -21,7 +21,7 @@ ACC_ONES = (0, 1, 2, 3)       # responses with acc 1 of prompt p, by p % 4: 0 an
 
 
 def _cfg(extra=()):
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
 
     return load_config(TINY, [f"data.train_batch_size={T}", f"rollout.n={N}", "algorithm.filter_groups.enable=true",
                               *extra])
@@ -45,9 +45,9 @@ def _generation_batch(prompt_ids, width):
 
 def _sample(extra, gen_batches, all_wrong=False):
     """sample_filtered on this rank's share of the hand-built generation batches; returns global results."""
-    from hybridrl.dynamic_sampling import sample_filtered
+    from hybridrl.trainer.dynamic_sampling import sample_filtered
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.step_batch import gather_dp
+    from hybridrl.trainer.step_batch import gather_dp
 
     groups = init_model_parallel(1, 1)
     per_rank = T // groups.dp
@@ -90,7 +90,7 @@ def test_keeps_mixed_groups_in_global_order_at_any_dp(dp):
 
 
 def test_too_few_mixed_groups_stop_with_the_fix_named():
-    from hybridrl.dynamic_sampling import FilterGroupsError
+    from hybridrl.trainer.dynamic_sampling import FilterGroupsError
 
     with pytest.raises(Exception) as err:
         run_distributed(_sample, 1, ["algorithm.filter_groups.max_num_gen_batches=2"], 4, True)
@@ -99,7 +99,7 @@ def test_too_few_mixed_groups_stop_with_the_fix_named():
 
 
 def test_filter_values_by_metric():
-    from hybridrl.dynamic_sampling import FilterGroupsError, filter_values, kept_groups
+    from hybridrl.trainer.dynamic_sampling import FilterGroupsError, filter_values, kept_groups
 
     raw, shaped = torch.tensor([1.0, 1.0, 0.3, 0.3]), torch.tensor([1.0, 0.5, 0.3, 0.3])
     assert kept_groups(filter_values("score", raw, shaped, {}), 2).tolist() == [False, False]

@@ -9,8 +9,8 @@ def _init_weights(root, overrides_list):
     """For each override list: the init folder's config.json and one weight tensor, built in turn."""
     from safetensors.torch import load_file
 
-    from hybridrl.config_io import load_config
-    from hybridrl.roles import init_model_folder
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.roles import init_model_folder
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu.yaml")
     out = []

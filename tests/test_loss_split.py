@@ -45,11 +45,11 @@ def _update(folder, groups, batch, mode, micro):
     from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig, PolicyLossConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.roles import wrap_trainable
+    from hybridrl.trainer.roles import wrap_trainable
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
-    from hybridrl.workers.micro_batches import MicroBatching
+    from hybridrl.config.batching import MicroBatching
     from hybridrl.workers.optim import build_optimizer
 
     loss_mode, mode = _modes(mode)
@@ -77,7 +77,7 @@ def _update(folder, groups, batch, mode, micro):
 
 def _run_all(folder, micro_sizes):
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.step_batch import local_slice
+    from hybridrl.trainer.step_batch import local_slice
 
     groups = init_model_parallel(1, 1)
     full = _batch(97)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hybridrl.config import ActorConfig, Config, ConfigError, CriticConfig, DataConfig, RefConfig
-from hybridrl.layout import derive_layout
-from hybridrl.workers.micro_batches import (MicroBatching, plan_micro_batches, real_spans, resolve_batching,
-                                            scatter_rows, split_rows, token_budget_plan)
+from hybridrl.config.layout import derive_layout
+from hybridrl.config.batching import MicroBatching, resolve_batching
+from hybridrl.workers.micro_batches import plan_micro_batches, real_spans, scatter_rows, split_rows, token_budget_plan
 
 P, R = 6, 5
 

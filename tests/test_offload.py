@@ -10,7 +10,7 @@ import torch
 from dist_helper import run_distributed
 
 from hybridrl.config import OffloadConfig
-from hybridrl.offload import Offloader, TensorStash, grad_tensors, optimizer_tensors, param_tensors
+from hybridrl.placement.offload import Offloader, TensorStash, grad_tensors, optimizer_tensors, param_tensors
 
 
 def _storage_bytes(tensors):
@@ -148,7 +148,7 @@ def test_place_keeps_a_phase_s_parts_and_offloads_the_idle_ones():
 def test_a_verified_parameter_can_still_be_offloaded(mode):
     """The handoff digests the training parameters on both ends; on CPU a digest that pinned their
     storage (Tensor.numpy() marks it non-resizable) made the next offload fail."""
-    from hybridrl.rollout.base import weight_digest
+    from hybridrl.placement.fingerprint import weight_digest
 
     p = torch.nn.Parameter(torch.randn(16, 8))
     want = p.detach().clone()

@@ -20,7 +20,7 @@ def _scaled_backward():
     from hybridrl.models.gpt import GPTSpec, build_gpt
     from hybridrl.parallel.cpu_compat import cuda_to_cpu
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.roles import wrap_trainable
+    from hybridrl.trainer.roles import wrap_trainable
     from hybridrl.workers.optim import MegatronOptimizer
 
     init_model_parallel(1, 1)

@@ -7,11 +7,11 @@ import pytest
 
 from dist_helper import run_distributed
 
-from hybridrl import planner_memory as mem
+from hybridrl.planner import memory as mem
 from hybridrl.config import ActorConfig, Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
-from hybridrl.config_io import load_config
-from hybridrl.layout import model_dims
-from hybridrl.planner import PlanError, estimate, plan, rank_groups
+from hybridrl.config.io import load_config
+from hybridrl.config.layout import model_dims
+from hybridrl.planner.plan import PlanError, estimate, plan, rank_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -121,7 +121,7 @@ def test_loss_side_bytes_are_the_measured_peak_of_the_log_prob_function(grad, en
     import torch
 
     from hybridrl.models import logprobs
-    from hybridrl.reshard import LiveTensorMeter
+    from hybridrl.placement.reshard import LiveTensorMeter
     from hybridrl.workers.actor import response_logits
 
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
@@ -249,12 +249,12 @@ def _held_per_phase(offload: bool) -> tuple:
     `offload`; at each phase's call, the bytes of each role's storages on the device (step 2)."""
     import tempfile
 
-    from hybridrl.config_io import load_config
-    from hybridrl.planner import STATE_KINDS
+    from hybridrl.config.io import load_config
+    from hybridrl.planner.plan import STATE_KINDS
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import setup_run
+    from hybridrl.trainer.roles import build_roles
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import setup_run
 
     tmp, on = tempfile.mkdtemp(), str(offload).lower()
     cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [

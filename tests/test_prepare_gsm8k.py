@@ -1,4 +1,4 @@
-"""Tests of scripts/prepare_gsm8k.py and hybridrl.data_gsm8k on small GSM8k-format files."""
+"""Tests of scripts/prepare_gsm8k.py and hybridrl.data.gsm8k on small GSM8k-format files."""
 import json
 import os
 import subprocess
@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridrl.config import DataConfig
-from hybridrl.data import DataError, PromptDataset
-from hybridrl.data_gsm8k import INSTRUCTION, prepare_gsm8k
+from hybridrl.data.prompts import DataError, PromptDataset
+from hybridrl.data.gsm8k import INSTRUCTION, prepare_gsm8k
 from hybridrl.rewards import gsm8k
 from hybridrl.tokenizer import load_tokenizer
 

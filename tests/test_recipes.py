@@ -10,7 +10,7 @@ import pytest
 
 from test_trainer import ROOT, _overrides, read_scalars
 
-from hybridrl.config_io import load_config
+from hybridrl.config.io import load_config
 
 RECIPES = os.path.join(ROOT, "configs", "recipes")
 

@@ -17,7 +17,7 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9]]
 
 
 def _faulty_engine_class():
-    from hybridrl.rollout.base import hf_region
+    from hybridrl.placement.fingerprint import hf_region
     from hybridrl.rollout.native import NativeEngine
 
     class FaultyEngine(NativeEngine):
@@ -62,8 +62,7 @@ FAULTS = {"wrong_slice": ("model.layers.1.self_attn.k_proj.weight", 2),  # (vict
 
 def _faults(model, spec, groups) -> dict:
     """Each fault through the engine's load path: the handoff's error (None: it passed) per verify mode."""
-    from hybridrl import reshard
-
+    from hybridrl.placement import reshard
     engines = {tp: _faulty_engine_class()(spec, tp) for tp in (1, 2)}
     for engine in engines.values():
         reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
@@ -155,7 +154,7 @@ class _FakeLLM:
 
 
 def _vllm_handoffs(model, spec, groups) -> dict:
-    from hybridrl import reshard
+    from hybridrl.placement import reshard
     from hybridrl.config import RolloutConfig
     from hybridrl.rollout.vllm import VLLMEngine
 
@@ -184,7 +183,7 @@ def _direct_handoff(folder) -> dict:
     """Training TP 2, PP 1 into an engine at rollout TP 2: shards straight into its parameters."""
     from megatron.core import parallel_state as ps
 
-    from hybridrl import reshard
+    from hybridrl.placement import reshard
     from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
 
@@ -208,7 +207,7 @@ def _direct_handoff(folder) -> dict:
 
 
 def _handoffs(folder, tied_folder):
-    from hybridrl import reshard
+    from hybridrl.placement import reshard
     from hybridrl.models.hf_checkpoint import SafetensorsReader, mcore_to_hf_stream, model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
     from hybridrl.rollout.base import SamplingParams
@@ -343,7 +342,7 @@ def test_vllm_worker_reads_back_its_own_layout(runs, tp):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
-    from hybridrl.rollout.base import weight_fingerprint as fp
+    from hybridrl.placement.fingerprint import weight_fingerprint as fp
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(24, 16, generator=g).to(dtype)
@@ -368,7 +367,7 @@ def test_shard_parts_are_the_slices_read_shard_takes():
     """hf_convert.shard_parts' views of a shard hold exactly the HF regions it names."""
     from hybridrl.models import hf_convert as hc
     from hybridrl.models.gpt import GPTSpec
-    from hybridrl.rollout.base import hf_region
+    from hybridrl.placement.fingerprint import hf_region
 
     spec = GPTSpec(num_layers=1, hidden_size=32, num_attention_heads=8, num_key_value_heads=4, intermediate_size=24,
                    vocab_size=300, max_position_embeddings=16, qkv_bias=True, tie_word_embeddings=False)
@@ -389,7 +388,7 @@ def test_shard_parts_are_the_slices_read_shard_takes():
 
 def test_lean_tp_merge_equals_hf_convert_merge(monkeypatch):
     """reshard's merges in the reused buffers give hf_convert.merge_tp's layout for every split kind."""
-    from hybridrl import reshard
+    from hybridrl.placement import reshard
     from hybridrl.models import hf_convert as hc
     from hybridrl.models.gpt import GPTSpec
 
@@ -410,7 +409,7 @@ def test_lean_tp_merge_equals_hf_convert_merge(monkeypatch):
 
 
 def test_live_tensor_meter_counts_storages_not_views():
-    from hybridrl.reshard import LiveTensorMeter
+    from hybridrl.placement.reshard import LiveTensorMeter
 
     base = torch.zeros(1000)
     with LiveTensorMeter() as meter:
@@ -427,7 +426,7 @@ def test_live_tensor_meter_counts_storages_not_views():
 def _join_cases():
     import torch.distributed as dist
 
-    from hybridrl.reshard import join_requests, new_rollout_groups
+    from hybridrl.placement.reshard import join_requests, new_rollout_groups
 
     rank, groups = dist.get_rank(), new_rollout_groups(4)
     shard = [[10 + rank // 2, 1], [20 + rank // 2]]  # ranks (0, 1) and (2, 3): two training-DP shards

@@ -77,7 +77,7 @@ def _config(folder, tokenizer="", offload=False):
 
 
 def _scores_run(folders):
-    from hybridrl.roles import build_reward_model
+    from hybridrl.trainer.roles import build_reward_model
     from hybridrl.tokenizer import load_tokenizer
 
     actor_tok = load_tokenizer("builtin:tiny")
@@ -191,8 +191,8 @@ def test_combine_scores():
 
 
 def test_config_and_folder_errors(folders, tmp_path):
-    from hybridrl.config_io import load_config
-    from hybridrl.roles import build_reward_model
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.roles import build_reward_model
 
     with pytest.raises(ConfigError, match="reward_model.combine='mean' is not one of replace, add"):
         load_config("", ["reward_model.combine=mean"])
@@ -205,8 +205,8 @@ def test_config_and_folder_errors(folders, tmp_path):
 
 
 def test_preference_pairs_are_ordered_by_the_rule():
-    from hybridrl.data_synthetic import arith_rows
-    from hybridrl.preference_pairs import make_pairs
+    from hybridrl.data.synthetic import arith_rows
+    from hybridrl.reward_model.preference_pairs import make_pairs
     from hybridrl.rewards.arith import compute_score
     from hybridrl.tokenizer import load_tokenizer
 

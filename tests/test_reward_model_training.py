@@ -26,7 +26,7 @@ PPO_FAST = ["data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size
 
 
 def test_bradley_terry_loss_by_hand():
-    from hybridrl.reward_model_training import _bradley_terry, pair_margins, pair_micro_batches
+    from hybridrl.reward_model.training import _bradley_terry, pair_margins, pair_micro_batches
 
     ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 0, 4], [5, 6, 0]])  # chosen 0,1 then rejected 0,1
     mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 0]])
@@ -55,9 +55,9 @@ def _transformers_val_accuracy(overrides, rm_path) -> float:
     """Held-out preference accuracy of the saved folder, scored by transformers (the independent reference)."""
     import transformers
 
-    from hybridrl.config_io import load_config
-    from hybridrl.data import make_train_loader, make_val_loader
-    from hybridrl.reward_model_training import _pair_sets
+    from hybridrl.config.io import load_config
+    from hybridrl.data.prompts import make_train_loader, make_val_loader
+    from hybridrl.reward_model.training import _pair_sets
     from hybridrl.tokenizer import load_tokenizer
 
     cfg = load_config(TINY_RM, overrides)

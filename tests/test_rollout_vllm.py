@@ -172,7 +172,7 @@ def test_engine_arguments_and_temporary_folder(version, mode):
 def test_worker_reads_back_its_parameters_not_what_arrived():
     """The worker digests what its model stored (read from its parameters), not the tensors it was given."""
     from hybridrl.models.gpt import GPTSpec
-    from hybridrl.rollout.base import weight_checksum, weight_fingerprint
+    from hybridrl.placement.fingerprint import weight_checksum, weight_fingerprint
 
     spec = GPTSpec(num_layers=1, hidden_size=4, num_attention_heads=2, num_key_value_heads=2,
                    intermediate_size=6, vocab_size=3, tie_word_embeddings=False)

@@ -8,8 +8,8 @@ import torch
 
 from dist_helper import run_distributed
 from hybridrl.config import MultiTurnConfig, SFTConfig
-from hybridrl.data import DataError, write_prompt_parquet
-from hybridrl.data_tools import demonstration_rows, write_demonstrations
+from hybridrl.data.prompts import DataError, write_prompt_parquet
+from hybridrl.data.tool_demos import demonstration_rows, write_demonstrations
 from hybridrl.rollout.agent_loop import AgentLoop
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.sft.data import SFTDataset, SFTLoader, tokenize_trajectory
@@ -112,7 +112,7 @@ def _sft_steps(root, layouts, export_layout=None):
     """For each (tp, pp): SFT losses and grad norms of STEPS steps from one init; HF export at one layout."""
     import torch.distributed as dist
 
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.sft.trainer import SFTTrainer, sft_loader
     from models_helper import mcore_logits, reinit_parallel
 

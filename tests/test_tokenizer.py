@@ -177,7 +177,7 @@ def test_training_sampling_stops_on_every_eos(tmp_path):
     import types
 
     from hybridrl.config import Config
-    from hybridrl.trainer import PPOTrainer
+    from hybridrl.trainer.ppo import PPOTrainer
 
     trainer = types.SimpleNamespace(cfg=Config(), tok=load_tokenizer(_qwen2_like_folder(tmp_path, [4, 2])))
     assert set(PPOTrainer.train_sampling(trainer).stop_token_ids) == {2, 4}

@@ -35,8 +35,8 @@ def read_scalars(tmp) -> dict:
 
 
 def _train(config_path, overrides):
-    from hybridrl.config_io import load_config
-    from hybridrl.trainer_loop import main_loop
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.loop import main_loop
 
     return main_loop(load_config(config_path, overrides))
 

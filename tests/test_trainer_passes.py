@@ -24,11 +24,11 @@ def _two_trainers(tmp, extra, source="old_log_prob_source"):
     """One step of the same batch on two trainers built alike: the first takes `source` (its old
     log-probs, or its values) where the config says, the second always runs the separate pass.
     Returns per trainer the allowed source, the step's metrics and the actor's and critic's parameters."""
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
     from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
-    from hybridrl.trainer import PPOTrainer
-    from hybridrl.trainer_loop import setup_run
+    from hybridrl.trainer.roles import build_roles
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.loop import setup_run
 
     cfg = load_config(TINY, _overrides(tmp, extra))
     _, tok, layout, groups, loader, _ = setup_run(cfg)
@@ -69,8 +69,8 @@ def test_own_old_log_probs_give_the_two_pass_step(tmp_path, world):
 @pytest.mark.parametrize("extra", [["algorithm.use_kl_in_reward=true"], ["actor.ppo_epochs=2"],
                                    ["actor.ppo_mini_batch_size=2"], ["actor.rollout_is_threshold=2.0"]])
 def test_separate_old_log_prob_pass_where_needed(tmp_path, extra):
-    from hybridrl.config_io import load_config
-    from hybridrl.layout import derive_layout
+    from hybridrl.config.io import load_config
+    from hybridrl.config.layout import derive_layout
     from hybridrl.workers.actor import old_log_prob_source
 
     cfg = load_config(TINY, _overrides(tmp_path, extra))
@@ -93,8 +93,8 @@ def test_values_from_the_critic_update_give_the_two_pass_step(tmp_path, world, e
 
 @pytest.mark.parametrize("extra", [["critic.ppo_epochs=2"], ["critic.ppo_mini_batch_size=2"]])
 def test_separate_values_pass_where_needed(tmp_path, extra):
-    from hybridrl.config_io import load_config
-    from hybridrl.layout import derive_layout
+    from hybridrl.config.io import load_config
+    from hybridrl.config.layout import derive_layout
     from hybridrl.workers.critic import values_source
 
     cfg = load_config(TINY, _overrides(tmp_path, extra))
@@ -119,8 +119,8 @@ def test_bypass_mode_takes_the_engines_log_probs_as_old(tmp_path):
 
 def test_bypass_mode_refuses_an_importance_correction(tmp_path):
     from hybridrl.config import ConfigError
-    from hybridrl.config_io import load_config
-    from hybridrl.layout import derive_layout
+    from hybridrl.config.io import load_config
+    from hybridrl.config.layout import derive_layout
     from hybridrl.workers.actor import old_log_prob_source
 
     cfg = load_config(TINY, _overrides(tmp_path, ["algorithm.rollout_correction.bypass_mode=true",

@@ -12,7 +12,7 @@ import torch
 from hybridrl import algos
 from hybridrl.rewards import gsm8k
 from hybridrl.rewards.overlong import overlong_penalty
-from hybridrl.validation import process_validation_metrics
+from hybridrl.trainer.validation import process_validation_metrics
 
 REF_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_reference", "verl_0_9_1.json")
 with open(REF_PATH) as _f:

@@ -1,6 +1,5 @@
 """Actor/critic workers: log-probs match transformers; one update gives the same losses, grad norm
 and new log-probs at DP=1, DP=2, TP=2 and PP=2 (global normalisation over the mini-batch)."""
-import os
 
 import pytest
 import torch
@@ -25,13 +24,13 @@ def _roles_run(folder, tp, pp, agg_mode):
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.roles import wrap_trainable
+    from hybridrl.trainer.roles import wrap_trainable
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
-    from hybridrl.workers.micro_batches import MicroBatching
+    from hybridrl.config.batching import MicroBatching
     from hybridrl.workers.optim import build_optimizer
-    from hybridrl.step_batch import local_slice
+    from hybridrl.trainer.step_batch import local_slice
 
     groups = init_model_parallel(tp, pp)
     cfg = Config(actor=ActorConfig(optim=OptimConfig(lr=1e-2), ppo_micro_batch_size_per_gpu=2, loss_agg_mode=agg_mode),
@@ -151,7 +150,7 @@ def _worker_factories(folder, groups, agg_mode):
     from hybridrl.config import ActorConfig, Config, CriticConfig, OptimConfig
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
-    from hybridrl.roles import wrap_trainable
+    from hybridrl.trainer.roles import wrap_trainable
     from hybridrl.workers.actor import ActorWorker
     from hybridrl.workers.critic import CriticWorker
     from hybridrl.workers.engine import ModelEngine
@@ -185,8 +184,8 @@ def _split_run(folder, tp, pp, agg_mode):
     """Same layout, same start: fixed vs token-budget micro-batches (actor and critic), and the
     two-pass actor step vs the one whose forward gives the old log-probs."""
     from hybridrl.parallel.distributed import init_model_parallel
-    from hybridrl.step_batch import local_slice
-    from hybridrl.workers.micro_batches import MicroBatching
+    from hybridrl.trainer.step_batch import local_slice
+    from hybridrl.config.batching import MicroBatching
 
     groups = init_model_parallel(tp, pp)
     actor, critic = _worker_factories(folder, groups, agg_mode)

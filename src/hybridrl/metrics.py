@@ -1,4 +1,4 @@
-"""Metrics: stage timers, batch statistics with verl's names, and one writer for console + TensorBoard.
+"""Metrics: stage timers, batch statistics with verl's names, and one writer for console, TensorBoard and W&B.
 
 Metrics are a flat dict of namespaced floats (`actor/pg_loss`, `timing_s/gen`); only rank 0 writes.
 """
@@ -119,28 +119,71 @@ def mean_of(dicts: Iterable[Dict[str, float]]) -> Dict[str, float]:
     return {k: sums[k] / counts[k] for k in sums}
 
 
-class MetricsWriter:
-    """Console lines and TensorBoard scalars; a no-op on ranks other than 0."""
+WANDB_INSTALL = "pip install -e .[wandb]"
 
-    def __init__(self, sinks, log_dir: str, enabled: bool):
+
+class LoggerError(ValueError):
+    """A metric sink that cannot start; the message names the fix."""
+
+
+def wandb_mode() -> str:
+    """`online` once the user has logged in (WANDB_API_KEY, or `wandb login`'s netrc entry), else `offline`;
+    an explicit WANDB_MODE wins."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return "online" if netrc.netrc().authenticators(host) else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
+class MetricsWriter:
+    """Console lines, TensorBoard scalars and a Weights & Biases run; a no-op on ranks other than 0.
+
+    `sinks` are verl's `trainer.logger` names. W&B gets the project and experiment names, the resolved
+    config (`config`, a plain dict) and its run folder under `log_dir`; offline unless the user logged in."""
+
+    def __init__(self, sinks, log_dir: str, enabled: bool, project: str = "hybridrl", experiment: str = "",
+                 config: dict | None = None):
+        if "wandb" in sinks:  # on every rank, so that no rank goes on alone when the package is missing
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise LoggerError(f"trainer.logger includes wandb but the wandb package is not installed; "
+                                  f"install it with `{WANDB_INSTALL}` or drop wandb from trainer.logger")
         self.enabled = enabled
         self.console = enabled and "console" in sinks
         self.tb = None
+        self.wandb = None
         self.log_dir = log_dir
         if enabled and "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(log_dir, exist_ok=True)
             self.tb = SummaryWriter(log_dir=log_dir)
+        if enabled and "wandb" in sinks:
+            import wandb
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.wandb = wandb.init(project=project, name=experiment or None, dir=log_dir, config=config or {},
+                                    mode=wandb_mode(), reinit="create_new")
 
     def log(self, metrics: Dict[str, float], step: int, console_keys=None, console: bool = True) -> None:
-        """TensorBoard always; a console line (console_keys, else all) when `console`."""
+        """TensorBoard and W&B always; a console line (console_keys, else all) when `console`."""
         if not self.enabled:
             return
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
         if self.console and console:
             keys = console_keys or sorted(metrics)
             from tqdm import tqdm  # writes above an active progress bar instead of through it
@@ -151,3 +194,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

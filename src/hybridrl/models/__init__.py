@@ -3,6 +3,9 @@
 Submodules: gpt (GPTSpec, build_gpt), hf_config (HF config -> GPTSpec), hf_convert (pure name/layout
 mapping, TP split/merge), hf_checkpoint (safetensors load/export), mcore_checkpoint (per-rank
 megatron folders), critic, logprobs, forward (pipeline-schedule forward at any TP/PP).
+
+Models stand on parallel only (and megatron-core, transformers' config names); they must not import
+the config tree, workers, rollout or the trainer: parallelism and roles are applied from outside.
 """
 from hybridrl.models.critic import build_critic, critic_from_hf
 from hybridrl.models.forward import causal_padding_mask, pipeline_forward

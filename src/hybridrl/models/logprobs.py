@@ -7,7 +7,7 @@ entropy come from one fused function, differentiable w.r.t. the logits (closed-f
 fp32), with a sampling temperature. It works through the vocabulary in chunks of at most
 `CHUNK_ELEMENTS` logits and keeps only per-token statistics (log-sum-exp, entropy) for backward,
 which recomputes the softmax chunk by chunk: no [B, R, V] fp32 tensor is ever whole, only the
-gradient (in the logits' dtype) is (`planner_memory.head_activation_bytes` counts this).
+gradient (in the logits' dtype) is (`planner.memory.head_activation_bytes` counts this).
 Works without a group too (tp_group=None: a single rank holding the whole vocab).
 """
 from __future__ import annotations

@@ -1,1 +1,8 @@
-"""torch.distributed and megatron-core process groups, and the CPU compatibility patches."""
+"""torch.distributed and megatron-core process groups, and the CPU compatibility patches.
+
+distributed.py   the process groups of a run (torchrun or SLURM), one device per process, DP collectives
+cpu_compat.py    the documented shims that let megatron-core run under gloo without CUDA
+tp_collectives.py the few tensor-parallel collectives of the lean decode loop
+
+This is the floor of the tree: it must not import any other hybridrl package.
+"""

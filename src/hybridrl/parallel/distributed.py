@@ -37,7 +37,8 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def launch_env(environ=None) -> LaunchEnv:
-    """Rank layout from torchrun (RANK, WORLD_SIZE, ...) or srun (SLURM_PROCID, ...), else single process."""
+    """Rank layout from torchrun (RANK, WORLD_SIZE, ...) or srun (SLURM_PROCID, ...), else single process
+    (on MASTER_PORT when given, else on a free port)."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
@@ -46,7 +47,17 @@ def launch_env(environ=None) -> LaunchEnv:
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                          addr, int(env.get("MASTER_PORT", 29500)))
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else free_port()
+    return LaunchEnv(0, 1, 0, "127.0.0.1", port)
+
+
+def free_port() -> int:
+    """A port no process listens on now: a single-process run must not collide with another run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def export_launch_env(le: LaunchEnv, environ=None) -> None:
@@ -77,9 +88,19 @@ def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(le.local_rank)
-    dist.init_process_group(backend, init_method=f"tcp://{le.master_addr}:{le.master_port}",
-                            rank=le.rank, world_size=le.world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{le.master_addr}:{le.master_port}",
+                                rank=le.rank, world_size=le.world_size, timeout=timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        raise LaunchError(f"MASTER_PORT={le.master_port} on {le.master_addr} is already in use (another run?); "
+                          f"set MASTER_PORT to a free port, or unset it in a single-process run to get one") from None
     return le
+
+
+class LaunchError(RuntimeError):
+    """The process group cannot start as launched; the message names the fix."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """Rollout engines: the protocol (`base`), megatron KV-cache generation (`native`), vLLM (`vllm`).
 
 Engines are imported lazily so that importing the protocol never pulls in megatron or vLLM.
+
+Rollout stands on placement (to receive weights), models, parallel and config; it must not import
+data, workers, the planner or the trainer.
 """
 from __future__ import annotations
 

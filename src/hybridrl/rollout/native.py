@@ -22,10 +22,10 @@ import torch
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec, build_gpt
 from hybridrl.models.hf_config import check_parallel_layout
-from hybridrl.offload import TensorStash
-from hybridrl.reshard import RolloutGroups, join_requests, new_rollout_groups
-from hybridrl.rollout.base import (RolloutOutput, SamplingParams, Stored, expand_requests, hf_region,
-                                   pack_output, weight_digest)
+from hybridrl.placement.offload import TensorStash
+from hybridrl.placement.reshard import RolloutGroups, join_requests, new_rollout_groups
+from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output
+from hybridrl.placement.fingerprint import Stored, hf_region, weight_digest
 from hybridrl.rollout.continuous_batching import SlotBatch
 from hybridrl.rollout.lean_decode import LeanGPT
 from hybridrl.rollout.megatron_static import generate_static

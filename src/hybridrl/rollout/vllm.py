@@ -38,8 +38,9 @@ import torch.distributed as dist
 from hybridrl.config import RolloutConfig
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_config import hf_config_from_spec
-from hybridrl.reshard import join_requests, new_rollout_groups
-from hybridrl.rollout.base import RolloutOutput, SamplingParams, Stored, expand_requests, pack_output, weight_digest
+from hybridrl.placement.reshard import join_requests, new_rollout_groups
+from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output
+from hybridrl.placement.fingerprint import Stored, weight_digest
 from hybridrl.rollout.vllm_layout import stored_slice
 
 MIN_VLLM_VERSION = (0, 10, 0, 1)

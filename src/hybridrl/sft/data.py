@@ -11,18 +11,17 @@ input raises one DataError naming file, row and the fix. No models, no torch.dis
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
 from hybridrl.config import SFTConfig
-from hybridrl.data import DataError, read_parquet_table, shard_bounds
+from hybridrl.data.prompts import DataError, read_parquet_table, shard_bounds
 from hybridrl.tokenizer import Tokenizer
 
 logger = logging.getLogger("hybridrl.sft")
 _ROW_FIX = ("write each row's messages as [{'role': 'user', 'content': ...}, {'role': 'assistant', "
-            "'content': ...}, ...] (see hybridrl.data_tools.demonstration_rows)")
+            "'content': ...}, ...] (see hybridrl.data.tool_demos.demonstration_rows)")
 
 
 def read_trajectories(path: str, key: str) -> List[object]:

@@ -6,7 +6,7 @@ import sys
 import warnings
 
 from hybridrl.config import ConfigError
-from hybridrl.entry import QUIET, user_errors
+from hybridrl.trainer.entry import QUIET, user_errors
 
 
 def main(argv=None) -> int:
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/tiny_cpu_tools.yaml", help="YAML config file (same tree as RL)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.optim.lr=1e-5")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)

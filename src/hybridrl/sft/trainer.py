@@ -27,7 +27,7 @@ from hybridrl.workers.update import finish_step
 class SFTTrainer:
     def __init__(self, cfg: Config, groups, tokenizer, total_steps: int):
         from hybridrl.models.hf_checkpoint import model_from_hf
-        from hybridrl.roles import init_model_folder, training_overrides, wrap_trainable
+        from hybridrl.trainer.roles import init_model_folder, training_overrides, wrap_trainable
         from hybridrl.workers.optim import build_optimizer
 
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
@@ -87,7 +87,7 @@ class SFTTrainer:
 def sft_loader(cfg: Config, tokenizer, groups):
     """The run's trajectories, this DP rank's slices; demonstrations are generated first (rank 0)
     when the files are missing and sft.synthetic_task is set."""
-    from hybridrl.data_tools import write_demonstrations
+    from hybridrl.data.tool_demos import write_demonstrations
     from hybridrl.sft.data import SFTDataset, SFTLoader
 
     missing = [p for p in cfg.sft.train_files if not os.path.exists(p)]
@@ -100,7 +100,7 @@ def sft_loader(cfg: Config, tokenizer, groups):
 
 
 def _setup(cfg: Config):
-    from hybridrl.layout import model_dims, model_parallel_sizes
+    from hybridrl.config.layout import model_dims, model_parallel_sizes
     from hybridrl.log import setup_logging
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
     from hybridrl.tokenizer import load_tokenizer
@@ -115,14 +115,12 @@ def _setup(cfg: Config):
 
 
 def run_sft(cfg: Config) -> int:
-    from hybridrl.metrics import MetricsWriter
+    from hybridrl.trainer.loop import open_writer
 
     le, tokenizer, groups, loader = _setup(cfg)
     total = cfg.sft.total_training_steps or len(loader) * cfg.sft.total_epochs
+    writer = open_writer(cfg, le.rank == 0, suffix="_sft")
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
-    tc = cfg.trainer
-    writer = MetricsWriter(tc.logger, os.path.join(tc.log_dir, tc.project_name, tc.experiment_name + "_sft"),
-                           enabled=le.rank == 0)
     losses = []
     for step, batch in zip(range(1, total + 1), loader):
         metrics = trainer.step(batch)

@@ -15,7 +15,8 @@ from hybridrl import algos
 from hybridrl.config import ActorConfig, Config, ConfigError
 from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
-from hybridrl.workers.micro_batches import MicroBatching, run_per_row
+from hybridrl.config.batching import MicroBatching
+from hybridrl.workers.micro_batches import run_per_row
 from hybridrl.workers.update import Share, check_one_step, ppo_update
 
 

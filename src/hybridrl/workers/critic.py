@@ -8,7 +8,8 @@ import torch
 from hybridrl import algos
 from hybridrl.config import CriticConfig
 from hybridrl.workers.engine import ModelEngine, mini_batches
-from hybridrl.workers.micro_batches import MicroBatching, run_per_row
+from hybridrl.config.batching import MicroBatching
+from hybridrl.workers.micro_batches import run_per_row
 from hybridrl.workers.update import Share, check_one_step, ppo_update
 
 

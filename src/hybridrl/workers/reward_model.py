@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from hybridrl.config import ConfigError
-from hybridrl.data import left_pad
+from hybridrl.data.prompts import left_pad
 from hybridrl.workers.engine import ModelEngine, split_micro_batches
 
 

@@ -15,7 +15,8 @@ import torch
 from hybridrl.algos import agg_loss_denominator
 from hybridrl.metrics import mean_of
 from hybridrl.workers.engine import ModelEngine, dp_sum
-from hybridrl.workers.micro_batches import MicroBatching, plan_micro_batches, scatter_rows, split_rows
+from hybridrl.config.batching import MicroBatching
+from hybridrl.workers.micro_batches import plan_micro_batches, scatter_rows, split_rows
 
 
 def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:

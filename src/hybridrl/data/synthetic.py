@@ -3,7 +3,7 @@
 `arith`: single-digit addition. The user content is "3+4=" and the ground truth "7"
 (data_source "synthetic/arith", scored by `hybridrl.rewards.arith`). With builtin:tiny the prompt
 is exactly those four characters, so a tiny random-init model can learn the task with RL alone.
-`arith_tools`: two-digit multiplication for the tool-calling demo (`hybridrl.data_tools`).
+`arith_tools`: two-digit multiplication for the tool-calling demo (`hybridrl.data.tool_demos`).
 `ensure_synthetic_data(cfg)` generates missing train/val files when `data.synthetic_task` is set.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 from typing import Any, Dict, List, Tuple
 
 from hybridrl.config import DataConfig
-from hybridrl.data import write_prompt_parquet
+from hybridrl.data.prompts import write_prompt_parquet
 
 ARITH_SOURCE = "synthetic/arith"
 SYNTHETIC_TASKS = ("arith", "arith_tools")
@@ -58,7 +58,7 @@ def ensure_synthetic_data(cfg: DataConfig, n_train: int = 2000, n_test: int = 10
     if cfg.synthetic_task not in SYNTHETIC_TASKS:
         raise ValueError(f"data.synthetic_task={cfg.synthetic_task!r} is not one of "
                          f"{', '.join(SYNTHETIC_TASKS)} (or empty to disable generation)")
-    from hybridrl.data_tools import arith_tools_rows
+    from hybridrl.data.tool_demos import arith_tools_rows
 
     rows = arith_rows if cfg.synthetic_task == "arith" else arith_tools_rows
     for path, split in missing:

@@ -4,7 +4,7 @@
 group, estimates memory per GPU for every phase of a hybrid-engine step, and raises `PlanError`
 (naming the biggest consumer and the fix) when the peak exceeds `parallel.gpu_memory_gb`.
 `Plan.render()` is the text that `scripts/plan_layout.py` and the trainer's `--dry-run` print.
-It creates no process groups and touches no GPU; the formulas live in `hybridrl.planner_memory`.
+It creates no process groups and touches no GPU; the formulas live in `hybridrl.planner.memory`.
 
 Hybrid engine: actor, critic, reference and rollout engine share every GPU and run one after the
 other, so the peak is the maximum over phases, not the sum. The phases are the trainer's, in its
@@ -28,12 +28,12 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from hybridrl import planner_memory as mem
+from hybridrl.planner import memory as mem
 from hybridrl.config import Config, ConfigError, OffloadConfig
-from hybridrl.layout import Layout, derive_layout
-from hybridrl.offload import HYBRID_PHASES, PARTS
+from hybridrl.config.layout import Layout, derive_layout
+from hybridrl.placement.offload import HYBRID_PHASES, PARTS
 from hybridrl.workers.critic import values_source
-from hybridrl.workers.micro_batches import MicroBatching, resolve_batching
+from hybridrl.config.batching import MicroBatching, resolve_batching
 
 GIB = mem.GIB
 RUNTIME_OVERHEAD_GIB = 2.0

@@ -197,7 +197,7 @@ HYBRID_PHASES = {
 """What each phase of a step (trainer timer names) needs on the device, per role. Everything else a
 role's offload flags name stays in host memory: an idle role keeps only what its flags leave, so
 the weight sync holds the actor's weights (not its grads and Adam states) beside the engine's.
-`hybridrl.planner` builds its per-phase memory estimate from the same table."""
+`hybridrl.planner.plan` builds its per-phase memory estimate from the same table."""
 
 
 class PhaseOffload:

@@ -1,6 +1,6 @@
 """Per-GPU memory formulas of the layout planner, in bytes, for one rank of a TP x PP (x DP) layout.
 
-Pure arithmetic on an `Arch` (no tensors, no process groups). `hybridrl.planner` combines these
+Pure arithmetic on an `Arch` (no tensors, no process groups). `hybridrl.planner.plan` combines these
 terms into the phases of a hybrid-engine step and decides what fits; this module must not.
 Notation: s sequence (prompt + response), b micro batch, h hidden, a heads, g KV heads, d head dim,
 f intermediate size, L layers, Vp padded vocab, t TP, e bytes per element of params_dtype.

@@ -17,7 +17,7 @@ import os
 import random
 from typing import Any, Dict, List
 
-from hybridrl.data import write_prompt_parquet
+from hybridrl.data.prompts import write_prompt_parquet
 from hybridrl.rollout.tools import calculator
 
 TOOLS_SOURCE = "synthetic/arith_tools"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridrl.config import Config, ConfigError
-from hybridrl.data import left_pad
+from hybridrl.data.prompts import left_pad
 from hybridrl.log import print0
 from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
 from hybridrl.workers.reward_model import build_reencoder, check_vocab, score_positions
@@ -37,13 +37,13 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    from hybridrl.entry import run_with_config
+    from hybridrl.trainer.entry import run_with_config
 
     return run_with_config(parse_args(sys.argv[1:] if argv is None else argv), train_reward_model)
 
 
 def _encoded_pairs(cfg: Config, rows, tokenizer, n: int, seed: int, sequence) -> Dict[str, List[List[int]]]:
-    from hybridrl.preference_pairs import make_pairs
+    from hybridrl.reward_model.preference_pairs import make_pairs
 
     pairs = make_pairs(rows, tokenizer, n, cfg.data.max_response_length, seed)
     return {"chosen": [sequence(rows[p.prompt], p.chosen_ids) for p in pairs],
@@ -124,7 +124,7 @@ def train_step(engine: ModelEngine, optimizer, local: Dict[str, torch.Tensor], b
 @torch.no_grad()
 def preference_accuracy(engine: ModelEngine, pairs: Dict[str, torch.Tensor], micro_pairs: int, pad_id: int) -> float:
     """Share of pairs (over all DP ranks) whose chosen response scores higher."""
-    from hybridrl.data import shard_bounds
+    from hybridrl.data.prompts import shard_bounds
 
     engine.train(False)
     g = engine.groups
@@ -141,7 +141,7 @@ def preference_accuracy(engine: ModelEngine, pairs: Dict[str, torch.Tensor], mic
 
 def _build(cfg: Config, groups, init_folder: str, total_steps: int):
     from hybridrl.models.critic import critic_from_hf
-    from hybridrl.roles import wrap_trainable
+    from hybridrl.trainer.roles import wrap_trainable
     from hybridrl.workers.optim import build_optimizer
 
     tc = cfg.reward_model.train
@@ -183,8 +183,8 @@ def save_reward_model(engine: ModelEngine, spec, groups, cfg: Config, init_folde
 
 
 def train_reward_model(cfg: Config) -> int:
-    from hybridrl.roles import init_model_folder
-    from hybridrl.trainer_loop import setup_run
+    from hybridrl.trainer.roles import init_model_folder
+    from hybridrl.trainer.loop import setup_run
 
     rm, tc = cfg.reward_model, cfg.reward_model.train
     if not rm.path:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from hybridrl.config import Config, ConfigError, ModelConfig
-from hybridrl.workers.micro_batches import resolve_batching
+from hybridrl.config.batching import resolve_batching
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ def model_dims(model: ModelConfig, vocab_size: int = 0, allow_missing_path: bool
 @dataclass(frozen=True)
 class Layout:
     world_size: int
+    """Every process of the job (the trainers' and, in split placement, the rollout ranks')."""
     tp: int
     pp: int
     dp: int
@@ -53,9 +54,22 @@ class Layout:
     actor_mini_batch_samples: int
     """Samples per actor optimizer step over all DP ranks."""
     critic_mini_batch_samples: int
+    rollout_world_size: int = 0
+    """Split placement: the last this-many ranks only generate; 0 when colocated."""
+
+    @property
+    def split(self) -> bool:
+        return self.rollout_world_size > 0
+
+    @property
+    def train_world_size(self) -> int:
+        """Ranks that train (tp * pp * dp of them)."""
+        return self.world_size - self.rollout_world_size
 
     def describe(self) -> str:
-        return (f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} rollout_tp={self.rollout_tp} "
+        where = (f"split: ranks 0-{self.train_world_size - 1} train, {self.train_world_size}-{self.world_size - 1} "
+                 f"generate ({self.rollout_world_size // self.rollout_tp} engines) " if self.split else "")
+        return (f"{where}world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} rollout_tp={self.rollout_tp} "
                 f"samples/step={self.samples_per_step} ({self.samples_per_step_per_dp} per DP rank)")
 
 
@@ -98,12 +112,46 @@ def model_parallel_sizes(cfg: Config, world_size: int, dims: ModelDims) -> tuple
     return tp, pp, world_size // (tp * pp)
 
 
+def split_ranks(cfg: Config, world_size: int) -> int:
+    """Ranks that only generate (0 when colocated), after checking the placement against the world."""
+    p, a = cfg.placement, cfg.async_training
+    if p.mode == "colocated":
+        _require(a.staleness_threshold == 0 and a.stream_prompts == 0 and not a.partial_rollout,
+                 "async_training.* needs generation on ranks of its own: set placement.mode=split and "
+                 "placement.rollout_world_size=k (colocated ranks cannot generate while they train)")
+        return 0
+    k, rtp = p.rollout_world_size, cfg.rollout.tensor_model_parallel_size
+    _require(world_size > 1, "placement.mode=split needs at least 2 processes (one trains, one generates); "
+                             "launch with torchrun --nproc_per_node=N, or use placement.mode=colocated")
+    _require(k < world_size, f"placement.rollout_world_size={k} leaves no rank to train in a world of {world_size}; "
+                             f"choose k <= {world_size - 1}")
+    _require(k % rtp == 0, f"placement.rollout_world_size={k} is not a multiple of rollout.tensor_model_parallel_size="
+                           f"{rtp}; each rollout TP group is one engine: choose k as a multiple of {rtp}")
+    _require(p.critic_world_size == 0,
+             "placement.critic_world_size > 0 (a critic on ranks of its own) is not built yet; leave it 0: the "
+             "critic trains on the actor's ranks")
+    _require(cfg.rollout.name == "native",
+             "placement.mode=split streams weights into the native engine; set rollout.name=native (vLLM runs "
+             "colocated)")
+    _require(not a.partial_rollout,
+             "async_training.partial_rollout=true is not built yet: set it to false (a batch is generated under "
+             "one weight version)")
+    _require(not (a.staleness_threshold > 0 and cfg.algorithm.rollout_correction.bypass_mode),
+             "algorithm.rollout_correction.bypass_mode takes the engine's log-probs as the old ones, but with "
+             "async_training.staleness_threshold > 0 they come from weights one version older than the policy "
+             "being trained; set bypass_mode=false (the trainer computes them; actor.rollout_is_threshold "
+             "corrects the mismatch)")
+    return k
+
+
 def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missing_path: bool = False) -> Layout:
     dims = model_dims(cfg.model, vocab_size, allow_missing_path)
-    tp, pp, dp = model_parallel_sizes(cfg, world_size, dims)
+    k = split_ranks(cfg, world_size)
+    tp, pp, dp = model_parallel_sizes(cfg, world_size - k, dims)
     rtp = cfg.rollout.tensor_model_parallel_size
-    _require(world_size % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
-             f"rollout.tensor_model_parallel_size={rtp} must divide the world size ({world_size}) "
+    engine_world = k or world_size
+    _require(engine_world % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
+             f"rollout.tensor_model_parallel_size={rtp} must divide the world size ({engine_world}) "
              f"and the attention/KV heads ({dims.num_attention_heads}/{dims.num_key_value_heads})")
     buffer = cfg.reward.overlong_buffer
     _require(not buffer.enable or buffer.len <= cfg.data.max_response_length,
@@ -121,4 +169,4 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
         critic_mb = _check_mini_batches("critic", cfg.critic.ppo_mini_batch_size,
                                         cfg.critic.ppo_micro_batch_size_per_gpu, cfg, dp,
                                         batching.critic_update.dynamic)
-    return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb)
+    return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb, k)

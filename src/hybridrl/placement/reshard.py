@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import weight_state
-from hybridrl.rollout.base import VERIFY_MODES, hf_region, weight_digest
+from hybridrl.placement.fingerprint import VERIFY_MODES, hf_region, weight_digest
 
 
 class HandoffError(RuntimeError):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config, ConfigError, OffloadConfig
-from hybridrl.offload import Offloader
+from hybridrl.placement.offload import Offloader
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.parallel.cpu_compat import cuda_to_cpu
 from hybridrl.parallel.distributed import ParallelGroups
@@ -136,7 +136,9 @@ def training_state_offloaded(modules_and_optimizers):
             offloader.onload()
 
 
-def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int) -> Roles:
+def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int, with_engine: bool = True) -> Roles:
+    """Every role of a run on `groups`; without the rollout engine (`with_engine` False) when other
+    ranks generate (split placement)."""
     from hybridrl.models.critic import critic_from_hf
     from hybridrl.models.hf_checkpoint import model_from_hf
 
@@ -166,8 +168,10 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
                               cfg.algorithm.gamma, cfg.algorithm.lam)
     owners = [(w.engine.module, w.optimizer.optimizer) for w in (actor, critic) if w is not None]
     owners += [(ref.engine.module, None)] if ref is not None else []
-    with training_state_offloaded(owners) if cfg.rollout.name == "vllm" else contextlib.nullcontext():
-        rollout = build_rollout(cfg, spec, groups, tokenizer)
+    rollout = None
+    if with_engine:
+        with training_state_offloaded(owners) if cfg.rollout.name == "vllm" else contextlib.nullcontext():
+            rollout = build_rollout(cfg, spec, groups, tokenizer)
     reward_model = build_reward_model(cfg, groups, tokenizer) if cfg.reward_model.enable else None
     return Roles(spec, folder, actor, ref, critic, rollout, reward_model)
 

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybridrl.step_batch import gather_dp, local_slice
+from hybridrl.trainer.step_batch import gather_dp, local_slice
 
 Batch = Dict[str, torch.Tensor]
 PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_mask")  # left-padded prompt part first

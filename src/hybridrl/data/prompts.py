@@ -21,7 +21,7 @@ import torch
 from hybridrl.config import DataConfig
 from hybridrl.tokenizer import Tokenizer
 
-logger = logging.getLogger("hybridrl.data")
+logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 _LAYOUT_FIX = ("write rows as {data_source, prompt: [{role, content}], ability, "

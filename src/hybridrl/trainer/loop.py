@@ -1,6 +1,7 @@
 """Set up a run and drive PPOTrainer over steps: resume, validation, checkpoints, profile, dry run."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, load_checkpoint
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
-from hybridrl.trainer import PPOTrainer, TrainingError
+from hybridrl.trainer.ppo import PPOTrainer, TrainingError
 
 CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
                 "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout/logprob_diff_mean",
@@ -72,9 +73,9 @@ def _profile_line(step: int, m: dict) -> str:
 def setup_run(cfg: Config):
     """Process groups, tokenizer, layout and data loaders of one run (the RL trainer's, and the
     reward-model trainer's, which shares them): (launch env, tokenizer, layout, groups, train, val)."""
-    from hybridrl.data import make_train_loader, make_val_loader
-    from hybridrl.data_synthetic import ensure_synthetic_data
-    from hybridrl.layout import derive_layout
+    from hybridrl.data.prompts import make_train_loader, make_val_loader
+    from hybridrl.data.synthetic import ensure_synthetic_data
+    from hybridrl.config.layout import derive_layout
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
     from hybridrl.tokenizer import load_tokenizer
 
@@ -92,23 +93,74 @@ def setup_run(cfg: Config):
     return le, tokenizer, layout, groups, train_loader, val_loader
 
 
-def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
-    from hybridrl.config_io import to_yaml
+def open_writer(cfg: Config, enabled: bool, suffix: str = "", sinks=None):
+    """The run's metric writer: `trainer.logger` (or `sinks`) under log_dir/project/experiment+suffix, with
+    the resolved config for W&B. Made before any model, so a sink that cannot start fails in seconds."""
     from hybridrl.metrics import MetricsWriter
-    from hybridrl.rewards import RewardManager
-    from hybridrl.roles import build_roles
 
+    tc = cfg.trainer
+    experiment = tc.experiment_name + suffix
+    return MetricsWriter(tc.logger if sinks is None else sinks, os.path.join(tc.log_dir, tc.project_name, experiment),
+                         enabled, project=tc.project_name, experiment=experiment, config=dataclasses.asdict(cfg))
+
+
+def start_split(cfg: Config):
+    """Split placement: this rank's role world (None when colocated); a rollout rank serves the trainers
+    here and returns its exit code instead."""
+    if cfg.placement.mode != "split":
+        return None, None
+    from hybridrl.config.layout import split_ranks
+    from hybridrl.parallel.distributed import launch_env
+    from hybridrl.parallel.split_world import init_split_world
+    from hybridrl.trainer.split import serve_rollout
+
+    le = launch_env()
+    world = init_split_world(le, split_ranks(cfg, le.world_size))
+    if world.role == "rollout":
+        setup_logging()
+        return world, serve_rollout(cfg, world)
+    return world, None
+
+
+def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
+    world, served = start_split(cfg)
+    if served is not None:
+        return served
     le, tokenizer, layout, groups, train_loader, val_loader = setup_run(cfg)
+    remote = None
+    try:
+        if world is not None:
+            from hybridrl.trainer.split import Pipeline, RolloutClient
+
+            remote = Pipeline(RolloutClient(cfg, world, groups, _spec(cfg, tokenizer, groups), tokenizer.pad_token_id),
+                              cfg.async_training.staleness_threshold)
+        return _train(cfg, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile)
+    finally:
+        if remote is not None:
+            remote.stop()
+
+
+def _spec(cfg: Config, tokenizer, groups):
+    from hybridrl.models.hf_config import load_hf_config, spec_from_hf_config
+    from hybridrl.trainer.roles import init_model_folder
+
+    return spec_from_hf_config(load_hf_config(init_model_folder(cfg, tokenizer.vocab_size)))
+
+
+def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile) -> int:
+    from hybridrl.config.io import to_yaml
+    from hybridrl.rewards import RewardManager
+    from hybridrl.trainer.roles import build_roles
+
     tc = cfg.trainer
     ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep)
     resume_from = None if dry_run else ckpt.resolve(tc.resume_mode)  # a bad path fails before any model is built
     print0(to_yaml(cfg))
     print0(f"layout: {layout.describe()}")
     total = _total_steps(cfg, train_loader)
-    roles = build_roles(cfg, groups, tokenizer, total)
-    log_dir = os.path.join(tc.log_dir, tc.project_name, tc.experiment_name)
-    writer = MetricsWriter(tc.logger if not dry_run else ["console"], log_dir, enabled=le.rank == 0)
-    trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer)
+    writer = open_writer(cfg, le.rank == 0, sinks=["console"] if dry_run else None)
+    roles = build_roles(cfg, groups, tokenizer, total, with_engine=remote is None)
+    trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer, remote)
     saver = CheckpointWriter(ckpt, tc.async_save)
     trainer.sync_rollout_weights()
     if dry_run:
@@ -121,10 +173,14 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
     profile_steps, rewards, tool_calls = [], [], []
+    ahead = remote is not None and cfg.async_training.staleness_threshold > 0
+    upcoming = None  # staleness 1: the next step's prompts, generated while this step trains
     for step in range(start + 1, total + 1):
-        prompts = next(batches)
+        prompts = upcoming if upcoming is not None else next(batches)
+        upcoming = next(batches) if ahead and step < total else None
         try:
-            metrics = trainer.train_step(prompts, step, next_prompts=lambda: next(batches))
+            metrics = trainer.train_step(prompts, step, next_prompts=lambda: next(batches),
+                                         upcoming=upcoming if ahead else None)
         except FloatingPointError as err:
             raise TrainingError(f"step {step}: {err}; stopped before the update, nothing was saved for "
                                 f"this step (last checkpoint: {ckpt.latest()})") from None
@@ -207,7 +263,7 @@ def _dry_run(trainer, loader, layout, cfg: Config) -> int:
     print0("dry run: one step of rollout, reward, log-probs, values, KL, advantages and losses (no update)")
     for key in sorted(metrics):
         print0(f"  {key}: {metrics[key]:.6g}")
-    from hybridrl.planner import plan
+    from hybridrl.planner.plan import plan
 
     print0(plan(cfg, layout.world_size, vocab_size=trainer.roles.spec.vocab_size).render())
     unchanged = all(torch.equal(p, params[n]) for n, p in trainer.actor.engine.module.named_parameters())

@@ -19,19 +19,19 @@ import torch.distributed as dist
 
 from hybridrl import algos
 from hybridrl.config import Config
-from hybridrl.dynamic_sampling import sample_filtered
-from hybridrl.offload import Offloader, PhaseOffload
+from hybridrl.trainer.dynamic_sampling import sample_filtered
+from hybridrl.placement.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rewards.overlong import overlong_penalty
 from hybridrl.rewards.registry import combine_scores
 from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
-from hybridrl.validation import metrics_from_samples
+from hybridrl.trainer.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
+from hybridrl.trainer.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
 from hybridrl.workers.engine import dp_sum
-from hybridrl.workers.micro_batches import resolve_batching
+from hybridrl.config.batching import resolve_batching
 
 
 class TrainingError(RuntimeError):
@@ -44,8 +44,13 @@ def prompt_seeds(base: int, step: int, indices) -> list:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: Config, layout, groups, tokenizer, roles, reward_fn, writer):
+    def __init__(self, cfg: Config, layout, groups, tokenizer, roles, reward_fn, writer, remote=None):
         self.cfg, self.layout, self.groups, self.tok = cfg, layout, groups, tokenizer
+        self.remote = remote
+        """split placement: the rollout ranks (trainer.split.Pipeline); None when colocated."""
+        self.version = 0
+        """Policy version: the step whose update the actor's weights hold (0: the initial weights)."""
+        self.gen_versions: list = []
         self.roles, self.reward_fn, self.writer = roles, reward_fn, writer
         self.actor, self.ref, self.critic, self.rollout = roles.actor, roles.ref, roles.critic, roles.rollout
         kl = cfg.algorithm.kl_ctrl
@@ -63,12 +68,17 @@ class PPOTrainer:
         self.values_source = values_source(cfg, layout) if self.critic is not None else None
 
     # ---- one step -------------------------------------------------------------------------
-    def train_step(self, prompts, step: int, update: bool = True, next_prompts=None) -> Dict[str, float]:
-        """One PPO step; `next_prompts()` gives more prompt batches to DAPO's dynamic sampling."""
+    def train_step(self, prompts, step: int, update: bool = True, next_prompts=None, upcoming=None) -> Dict[str, float]:
+        """One PPO step; `next_prompts()` gives more prompt batches to DAPO's dynamic sampling; `upcoming`
+        (split placement, staleness 1) is the next step's prompts, generated while this step trains."""
         cfg, t = self.cfg, self.timer
         t.reset()
+        self.gen_versions = []
         step_start = time.perf_counter()
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts)
+        if self.remote is not None and upcoming is not None:
+            with t("update_weights"):
+                self.remote.prefetch(*self._request(upcoming, self.train_sampling(), step + 1))
         actor_steps = step > cfg.trainer.critic_warmup or self.critic is None
         source = self.old_log_prob_source
         if source == "update" and not actor_steps:
@@ -105,10 +115,12 @@ class PPOTrainer:
                 metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
                                                         self.batching.actor_update, apply=update))
         if update:
+            self.version = step
             with t("update_weights"):
-                self.sync_rollout_weights()
+                self.sync_rollout_weights(now=False)
         t.seconds["step"] = time.perf_counter() - step_start
         metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
+        metrics.update(self.staleness_metrics(step))
         metrics.update(t.metrics())
         return metrics
 
@@ -124,7 +136,9 @@ class PPOTrainer:
         One rank of each model replica generates (every rank still enters the engine, which may be
         collective) and broadcasts the result to its TP/PP peers.
         """
-        source, R = is_rollout_source(self.groups), self.cfg.data.max_response_length
+        if self.remote is not None:
+            return self._assemble(prompts, sampling, self._remote_output(prompts, sampling, step), True)
+        source = is_rollout_source(self.groups)
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)] if source else []
         seeds = prompt_seeds(sampling.seed, step, prompts.index) if source else []
         self.hybrid.enter("gen")  # hybrid engine: the idle training state leaves the device
@@ -138,16 +152,34 @@ class PPOTrainer:
                 out = self.rollout.generate(ids, sampling, seeds)
             if self.cfg.rollout.free_cache_engine:
                 self.rollout.sleep()
+        return self._assemble(prompts, sampling, out, source)
+
+    def _request(self, prompts, sampling: SamplingParams, step: int):
+        """(prompt token ids, seeds, sampling, key) of a request to the rollout ranks."""
+        ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)]
+        return ids, prompt_seeds(sampling.seed, step, prompts.index), sampling, (step, tuple(prompts.index), sampling)
+
+    def _remote_output(self, prompts, sampling: SamplingParams, step: int):
+        """Split placement: this rank's responses from the rollout ranks (prefetched, or asked for now)."""
+        with self.timer("generate_sequences"):
+            out, version = self.remote.generate(*self._request(prompts, sampling, step))
+        if sampling == self.train_sampling():
+            self.gen_versions.append(version)
+        return out
+
+    def _assemble(self, prompts, sampling: SamplingParams, out, source: bool) -> Dict[str, torch.Tensor]:
+        """The step batch from the engine's output (on the source rank; broadcast to its replica)."""
+        R = self.cfg.data.max_response_length
         rows, device = len(prompts) * sampling.n, self.groups.device
         mine = None
         if source:
             mine = {"responses": pad_columns(out.responses.to(device), R, self.tok.pad_token_id),
                     "response_mask": pad_columns(out.response_mask.to(device, torch.float32), R, 0.0),
                     "rollout_log_probs": pad_columns(out.log_probs.to(device, torch.float32), R, 0.0)}
-            if self.agent_loop is not None:
+            if self.cfg.rollout.multi_turn.enable:
                 mine.update(trajectory_fields(out, R, device))
-        extra = trajectory_shapes(rows, R) if self.agent_loop is not None else None
-        rollout = broadcast_rollout(mine, rows, R, self.groups, extra)
+        extra = trajectory_shapes(rows, R) if self.cfg.rollout.multi_turn.enable else None
+        rollout = mine if self.remote is not None else broadcast_rollout(mine, rows, R, self.groups, extra)
         batch = assemble(prompts.input_ids, prompts.attention_mask, rollout["responses"], rollout["response_mask"],
                          sampling.n, device, rollout.get("attention_mask"))
         batch["rollout_log_probs"] = rollout["rollout_log_probs"]
@@ -289,11 +321,22 @@ class PPOTrainer:
         out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
         return out
 
-    def sync_rollout_weights(self):
-        """The actor's weights into the engine, grads and optimizer states offloaded (idle until the
-        next update): the sync holds two weight copies and one bucket."""
-        from hybridrl.reshard import update_engine_weights
+    def staleness_metrics(self, step: int) -> Dict[str, float]:
+        """Split placement: how many updates behind the trained policy its samples were generated."""
+        if self.remote is None or not self.gen_versions:
+            return {}
+        behind = [step - 1 - v for v in self.gen_versions]
+        return {"rollout/staleness/mean": sum(behind) / len(behind), "rollout/staleness/max": float(max(behind)),
+                "timing_s/wait_rollout": self.remote.client.take_wait()}
 
+    def sync_rollout_weights(self, now: bool = True):
+        """The actor's weights into the engine, grads and optimizer states offloaded (idle until the
+        next update): the sync holds two weight copies and one bucket. Split placement: to the rollout
+        ranks, at once (`now`, or staleness 0) or once the batch in flight has arrived."""
+        from hybridrl.placement.reshard import update_engine_weights
+
+        if self.remote is not None:
+            return self.remote.updated(self.actor.engine.module, self.version, now=now)
         self.hybrid.enter("update_weights")
         r = self.cfg.rollout
         return update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
@@ -312,7 +355,7 @@ class PPOTrainer:
         sampling = self.val_sampling()
         samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
         for prompts in val_loader:
-            if len(prompts) == 0:
+            if len(prompts) == 0 and self.remote is None:  # split: every rank joins each request
                 continue
             batch = self.generate(prompts, sampling, step=-1)
             scores, _, infos = self.score_details(batch, prompts, sampling.n, use_reward_model=False)  # rule-checked

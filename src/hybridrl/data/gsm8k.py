@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-from hybridrl.data import DataError, write_prompt_parquet
+from hybridrl.data.prompts import DataError, write_prompt_parquet
 
 GSM8K_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."

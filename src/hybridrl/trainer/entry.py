@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
 
     def train(cfg):
-        from hybridrl.trainer_loop import main_loop
+        from hybridrl.trainer.loop import main_loop
 
         return main_loop(cfg, dry_run=args.dry_run, profile=args.profile)
 
@@ -42,7 +42,7 @@ def run_with_config(args, body) -> int:
     prints one `error: ...` line and gives exit code 2 (shared by train_ppo.py and train_rm.py)."""
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
-    from hybridrl.config_io import load_config
+    from hybridrl.config.io import load_config
 
     try:
         return body(load_config(args.config, args.overrides)) or 0
@@ -54,11 +54,14 @@ def run_with_config(args, body) -> int:
 def user_errors() -> tuple:
     """Exception types that carry a message for the user rather than a bug report."""
     errors = []
-    for module, name in (("hybridrl.data", "DataError"), ("hybridrl.tokenizer", "TokenizerError"),
-                         ("hybridrl.rewards.registry", "RewardError"), ("hybridrl.models.hf_config", "UnsupportedConfigError"),
-                         ("hybridrl.models.hf_checkpoint", "CheckpointMismatchError"), ("hybridrl.reshard", "HandoffError"),
-                         ("hybridrl.trainer", "TrainingError"), ("hybridrl.dynamic_sampling", "FilterGroupsError"),
-                         ("hybridrl.checkpoint", "CheckpointError")):
+    for module, name in (("hybridrl.data.prompts", "DataError"), ("hybridrl.tokenizer", "TokenizerError"),
+                         ("hybridrl.rewards.registry", "RewardError"),
+                         ("hybridrl.models.hf_config", "UnsupportedConfigError"),
+                         ("hybridrl.models.hf_checkpoint", "CheckpointMismatchError"),
+                         ("hybridrl.placement.reshard", "HandoffError"), ("hybridrl.trainer.ppo", "TrainingError"),
+                         ("hybridrl.trainer.dynamic_sampling", "FilterGroupsError"),
+                         ("hybridrl.checkpoint", "CheckpointError"), ("hybridrl.metrics", "LoggerError"),
+                         ("hybridrl.parallel.distributed", "LaunchError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):

@@ -1,0 +1,103 @@
+"""Sections data, model and parallel: what is trained on, which network, how it is split."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from hybridrl.config.checks import check, one_of
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: List[str] = field(default_factory=lambda: ["data/tiny_arith/train.parquet"])
+    """Parquet files of training prompts in verl's layout."""
+    val_files: List[str] = field(default_factory=lambda: ["data/tiny_arith/test.parquet"])
+    """Parquet files of validation prompts."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages or a plain string."""
+    tokenizer: str = "builtin:tiny"
+    """HF tokenizer folder, a SentencePiece .model file, or builtin:tiny (the project's own)."""
+    max_prompt_length: int = 32
+    """Longest prompt in tokens; longer ones are filtered or truncated."""
+    max_response_length: int = 16
+    """Most new tokens per response."""
+    train_batch_size: int = 16
+    """Prompts per training step (before rollout.n)."""
+    val_batch_size: int = 64
+    """Prompts per validation batch."""
+    filter_overlong_prompts: bool = True
+    """Drop (and count) prompts longer than max_prompt_length."""
+    truncation: str = "error"
+    """When not filtering: left, right, or error for prompts that are too long."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch (seeded)."""
+    seed: int = 1
+    """Seed of the per-epoch shuffle."""
+    synthetic_task: str = "arith"
+    """When the train/val files are missing and this is set, generate that synthetic task there."""
+
+    def __post_init__(self):
+        check(self.max_prompt_length > 0, "data.max_prompt_length must be > 0")
+        check(self.max_response_length > 0, "data.max_response_length must be > 0")
+        check(self.train_batch_size > 0, "data.train_batch_size must be > 0")
+        check(self.val_batch_size > 0, "data.val_batch_size must be > 0")
+        one_of("data.truncation", self.truncation, ("left", "right", "error"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    """HF folder with config.json (+ safetensors); empty: build from the fields below, random init."""
+    architecture: str = "qwen2"
+    """Family used when path is empty: qwen2 or llama."""
+    hidden_size: int = 64
+    """Width of the residual stream (path empty)."""
+    num_layers: int = 2
+    """Transformer layers (path empty)."""
+    num_attention_heads: int = 4
+    """Query heads (path empty)."""
+    num_key_value_heads: int = 2
+    """Key/value heads, GQA (path empty)."""
+    intermediate_size: int = 128
+    """SwiGLU hidden size (path empty)."""
+    vocab_size: int = 0
+    """Vocabulary size (path empty); 0 takes the tokenizer's size."""
+    max_position_embeddings: int = 512
+    """Longest sequence (path empty)."""
+    rope_theta: float = 10000.0
+    """RoPE base (path empty)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon (path empty)."""
+    tie_word_embeddings: bool = True
+    """Share input embedding and LM head (path empty)."""
+    seed: int = 1234
+    """Seed of the random init when path is empty."""
+    params_dtype: str = "float32"
+    """float32, bfloat16 or float16 for parameters and compute."""
+
+    def __post_init__(self):
+        one_of("model.architecture", self.architecture, ("qwen2", "llama"))
+        one_of("model.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
+        check(self.num_layers > 0 and self.hidden_size > 0, "model sizes must be > 0")
+        check(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0,
+               "model.num_attention_heads must be a multiple of model.num_key_value_heads")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """TP of actor, critic and reference."""
+    pipeline_model_parallel_size: int = 1
+    """PP of actor, critic and reference; data parallel size is derived from the world size."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer states over DP (megatron-core's distributed optimizer)."""
+    gpus_per_node: int = 8
+    """Accelerators per node (layout planner and SLURM scripts)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one accelerator; the layout planner refuses plans that do not fit."""
+    recompute_activations: bool = False
+    """Full activation recomputation in the actor/critic backward (saves memory, costs a forward)."""
+
+    def __post_init__(self):
+        check(self.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size must be >= 1")
+        check(self.pipeline_model_parallel_size >= 1, "parallel.pipeline_model_parallel_size must be >= 1")

@@ -1,0 +1,95 @@
+"""Sections trainer and sft: steps, logging, checkpoints, validation schedule; the supervised warm-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from hybridrl.config.checks import check, one_of
+from hybridrl.config.training import OptimConfig
+
+
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_training_steps: int = 40
+    """Training steps to run (0: total_epochs over the data)."""
+    total_epochs: int = 1
+    """Epochs over the data when total_training_steps is 0."""
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts learning."""
+    test_freq: int = 10
+    """Validate every this many steps and at the last; 0 disables, -1 only at the last step."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    save_freq: int = 0
+    """Checkpoint every this many steps; 0 disables."""
+    max_ckpt_to_keep: int = 2
+    """Keep the last K checkpoints."""
+    default_local_dir: str = "outputs/checkpoints"
+    """Where checkpoints go."""
+    resume_mode: str = "auto"
+    """auto (latest in default_local_dir), disable, or a checkpoint path."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (published when complete)."""
+    export_hf_dir: str = ""
+    """Write the final actor as an HF folder here; empty disables."""
+    log_dir: str = "outputs/tensorboard"
+    """TensorBoard event files."""
+    logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    """Metric sinks (verl's trainer.logger): console, tensorboard, wandb (offline until `wandb login`)."""
+    project_name: str = "hybridrl"
+    """Project name (folder under log_dir; the W&B project)."""
+    experiment_name: str = "tiny_cpu"
+    """Run name (folder under log_dir/project_name; the W&B run name)."""
+    seed: int = 1
+    """Global seed of torch RNGs."""
+    progress_bar: bool = True
+    """Show a progress bar over steps (rank 0)."""
+    log_freq: int = 1
+    """Print a console line every this many steps (and at validations and the last step)."""
+
+    def __post_init__(self):
+        check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")
+        check(self.test_freq >= -1, "trainer.test_freq must be >= 1, 0 (never) or -1 (only at the end)")
+        check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
+        check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep must be >= 1")
+        for sink in self.logger:
+            one_of("trainer.logger", sink, LOGGERS)
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    train_files: List[str] = field(default_factory=lambda: ["data/tiny_tools_sft/train.parquet"])
+    """Parquet files of chat trajectories for scripts/train_sft.py (loss on assistant tokens only)."""
+    messages_key: str = "messages"
+    """Column holding each trajectory: a list of {role, content} messages (user, assistant, tool)."""
+    max_length: int = 256
+    """Longest trajectory in tokens; longer ones are dropped (and counted)."""
+    train_batch_size: int = 32
+    """Trajectories per optimizer step, over all DP ranks."""
+    micro_batch_size_per_gpu: int = 8
+    """Trajectories per forward/backward on one DP rank."""
+    total_training_steps: int = 100
+    """Optimizer steps (0: total_epochs over the data)."""
+    total_epochs: int = 1
+    """Epochs over the data when total_training_steps is 0."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and LR schedule of the SFT run."""
+    output_dir: str = "outputs/sft/hf"
+    """HF folder (model + tokenizer) written at the end; the RL run loads it with model.path=..."""
+    shuffle: bool = True
+    """Reshuffle the trajectories every epoch (seeded by data.seed)."""
+    synthetic_task: str = ""
+    """When the train files are missing and this is set (arith_tools), generate demonstrations there."""
+
+    def __post_init__(self):
+        check(self.max_length > 1, "sft.max_length must be > 1")
+        check(self.train_batch_size > 0, "sft.train_batch_size must be > 0")
+        check(self.micro_batch_size_per_gpu > 0, "sft.micro_batch_size_per_gpu must be > 0")
+        check(self.total_training_steps >= 0, "sft.total_training_steps must be >= 0")
+        check(self.total_epochs >= 1, "sft.total_epochs must be >= 1")
+        check(bool(self.messages_key), "sft.messages_key must name the column of the trajectories")
+        check(bool(self.output_dir), "sft.output_dir must name the folder the model is written to")
+        one_of("sft.synthetic_task", self.synthetic_task, ("", "arith_tools"))

@@ -1,0 +1,159 @@
+"""Sections actor, critic and ref: optimizers, losses, micro-batching and offload of the trained roles."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hybridrl.config.algorithm import KL_KINDS
+from hybridrl.config.checks import check, one_of
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip; 0 disables."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps."""
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine decay after warmup."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of lr for linear/cosine decay."""
+
+    def __post_init__(self):
+        check(self.lr >= 0, "optim.lr must be >= 0")
+        check(len(self.betas) == 2, "optim.betas must have two values")
+        one_of("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    params: bool = False
+    """Move parameters to CPU while the rollout runs."""
+    grads: bool = False
+    """Move gradient buffers to CPU while the rollout runs."""
+    optimizer: bool = False
+    """Move optimizer states to CPU while the rollout runs."""
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSS_MODES = ("vanilla", "gspo")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """vanilla (dual-clip PPO on token ratios) or gspo (one clipped ratio per sequence; use clip
+    ranges near 3e-4 / 4e-4 and loss_agg_mode seq-mean-token-mean, as verl's GSPO recipe)."""
+
+    def __post_init__(self):
+        one_of("actor.policy_loss.loss_mode", self.loss_mode, POLICY_LOSS_MODES)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule of the policy."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (times rollout.n samples)."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward on one DP rank."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    clip_ratio_low: float = 0.2
+    """PPO clip below 1."""
+    clip_ratio_high: float = 0.2
+    """PPO clip above 1 (clip-higher when larger than clip_ratio_low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1)."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number."""
+    loss_scale_factor: Optional[int] = None
+    """Constant divisor of seq-mean-token-sum-norm; None: data.max_response_length."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy-gradient loss (verl's actor.policy_loss.loss_mode)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight."""
+    use_kl_loss: bool = False
+    """Add KL(actor || ref) to the loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss term."""
+    rollout_is_threshold: Optional[float] = None
+    """Truncate importance weights actor-old/rollout at this value; None disables."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Samples per forward when recomputing log-probs."""
+    use_dynamic_bsz: bool = False
+    """Split by a token budget instead of a row count (ignores the *_micro_batch_size_per_gpu fields)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one update micro-batch (rows x trimmed width, padding included)."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one old-log-prob micro-batch."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """What to move to CPU during rollout."""
+
+    def __post_init__(self):
+        check(self.ppo_max_token_len_per_gpu > 0 and self.log_prob_max_token_len_per_gpu > 0,
+               "actor.ppo_max_token_len_per_gpu and actor.log_prob_max_token_len_per_gpu must be > 0")
+        check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c must be > 1")
+        check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
+        one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        one_of("actor.kl_loss_type", self.kl_loss_type, KL_KINDS)
+        check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "actor.loss_scale_factor must be > 0")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    path: str = ""
+    """HF folder to initialise the critic trunk from; empty: model.path (or the same random init)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and LR schedule of the value model."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (times rollout.n samples)."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward on one DP rank."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number."""
+    loss_scale_factor: Optional[int] = None
+    """Constant divisor of seq-mean-token-sum-norm; None: data.max_response_length."""
+    use_dynamic_bsz: Optional[bool] = None
+    """Split by a token budget instead of a row count; None: as actor.use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one update micro-batch (rows x trimmed width, padding included)."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one values micro-batch; None: ppo_max_token_len_per_gpu."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """What to move to CPU during rollout."""
+
+    def __post_init__(self):
+        one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "critic.loss_scale_factor must be > 0")
+        check(self.ppo_max_token_len_per_gpu > 0 and (self.forward_max_token_len_per_gpu or 1) > 0,
+               "critic.ppo_max_token_len_per_gpu and critic.forward_max_token_len_per_gpu must be > 0")
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Samples per forward of the frozen reference."""
+    offload_params: bool = False
+    """Keep the reference weights on CPU between uses."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Split by a token budget instead of a row count; None: as actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one reference micro-batch; None: actor.ppo_max_token_len_per_gpu."""
+
+    def __post_init__(self):
+        check((self.log_prob_max_token_len_per_gpu or 1) > 0, "ref.log_prob_max_token_len_per_gpu must be > 0")

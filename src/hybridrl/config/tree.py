@@ -1,0 +1,29 @@
+"""The root of the typed config tree: one field per section."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridrl.config.algorithm import AlgorithmConfig
+from hybridrl.config.model import DataConfig, ModelConfig, ParallelConfig
+from hybridrl.config.placement import AsyncTrainingConfig, PlacementConfig
+from hybridrl.config.reward import RewardConfig, RewardModelConfig
+from hybridrl.config.rollout import RolloutConfig
+from hybridrl.config.run import SFTConfig, TrainerConfig
+from hybridrl.config.training import ActorConfig, CriticConfig, RefConfig
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

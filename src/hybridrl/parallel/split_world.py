@@ -1,0 +1,122 @@
+"""Split placement inside one torchrun job: each role gets a torch.distributed world of its own.
+
+megatron-core's parallel_state builds its groups over the whole default world, so the trainers cannot
+share one with ranks that only generate. Instead every process joins one TCPStore (the launcher's
+MASTER_ADDR:MASTER_PORT, hosted by global rank 0) and initialises its default process group over its
+role's ranks only, under a role prefix of that store: on a trainer `dist.get_world_size()` is the
+trainer count and megatron-core works unchanged; on a rollout rank the native engine builds its TP
+groups over the rollout ranks. Traffic between roles goes over `Bridge` groups built straight on the
+store (`ProcessGroupGloo` / `ProcessGroupNCCL`): only their members create them, no collective over
+the whole job is needed, and each bridge has its own fixed message order.
+
+This module only creates groups and moves bytes; it knows nothing of models, engines or batches.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+TRAIN, ROLLOUT = "train", "rollout"
+
+
+@dataclass(frozen=True)
+class SplitWorld:
+    rank: int
+    """Global rank in the job."""
+    world_size: int
+    rollout_world_size: int
+    store: object
+    timeout: timedelta
+
+    @property
+    def train_world_size(self) -> int:
+        return self.world_size - self.rollout_world_size
+
+    @property
+    def role(self) -> str:
+        return TRAIN if self.rank < self.train_world_size else ROLLOUT
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return list(range(self.train_world_size, self.world_size))
+
+    @property
+    def rollout_leader(self) -> int:
+        return self.train_world_size
+
+
+def init_split_world(le, rollout_world_size: int, timeout_s: int = 600) -> SplitWorld:
+    """Join the job's store and start this rank's role world as the default process group."""
+    from hybridrl.parallel import cpu_compat
+    from hybridrl.parallel.distributed import export_launch_env
+
+    export_launch_env(le)
+    cpu_compat.apply()
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(le.master_addr, le.master_port, le.world_size, le.rank == 0, timeout)
+    world = SplitWorld(le.rank, le.world_size, rollout_world_size, store, timeout)
+    first = 0 if world.role == TRAIN else world.train_world_size
+    size = world.train_world_size if world.role == TRAIN else rollout_world_size
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(le.local_rank)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"role/{world.role}", store),
+                            rank=le.rank - first, world_size=size, timeout=timeout)
+    return world
+
+
+class Bridge:
+    """A process group over some global ranks of the job (`members`, in that order), outside the role
+    worlds. Every member must make the same calls in the same order; `src` is a global rank."""
+
+    def __init__(self, world: SplitWorld, name: str, members: list[int], backend: str = "gloo"):
+        self.members = list(members)
+        self.index = {g: i for i, g in enumerate(self.members)}
+        self.device = torch.device("cpu")
+        store = dist.PrefixStore(f"bridge/{name}", world.store)
+        me = self.index[world.rank]
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.pg = dist.ProcessGroupNCCL(store, me, len(self.members))
+        else:
+            self.pg = dist.ProcessGroupGloo(store, me, len(self.members), world.timeout)
+        self.rank = world.rank
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.index[src]
+        self.pg.broadcast([tensor], opts).wait()
+        return tensor
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pg.allreduce([tensor]).wait()
+        return tensor
+
+    def broadcast_object(self, obj, src: int):
+        """`obj` (anything torch.save takes, tensors on the host) from `src` to every member."""
+        if self.rank == src:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._host_broadcast(size, src)
+        if self.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._host_broadcast(payload, src)
+        if self.rank == src:
+            return obj
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+
+    def _host_broadcast(self, t: torch.Tensor, src: int) -> None:
+        if self.device.type == "cpu":
+            self.broadcast(t, src)
+            return
+        on_device = t.to(self.device)
+        self.broadcast(on_device, src)
+        t.copy_(on_device.cpu())

@@ -1,0 +1,117 @@
+"""Digests of weights at both ends of the verified handoff: what a receiver stored, read back from its tensors.
+
+`weight_fingerprint` is a device-side position-weighted sum over the tensor's bit patterns (one int64, no
+host copy); `weight_checksum` a byte-exact host hash; `weight_digest` picks one by `rollout.verify_weights`.
+No torch.distributed and no model code here.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+VERIFY_MODES = ("fingerprint", "exact", "off")
+"""rollout.verify_weights: a device-side fingerprint (default), a byte-exact host hash, or no check."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What an engine holds of one HF tensor after a load, read back from its own parameters."""
+    region: tuple | None
+    """(dim, start, stop) of the HF tensor this rank stores; None: all of it."""
+    digest: object
+    """`weight_digest` of the stored slice: a 0-d int64 tensor on its device, or a hex string (exact)."""
+
+
+def hf_region(t: torch.Tensor, region: tuple | None) -> torch.Tensor:
+    """The slice `region` of an HF tensor (a view)."""
+    if region is None:
+        return t
+    dim, start, stop = region
+    return t.narrow(dim, start, stop - start)
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_POSITION_WEIGHTS: dict[tuple, torch.Tensor] = {}
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >> 63 else c
+
+
+def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
+    """A splitmix64-style hash of each int64 index, in wrapping int64 arithmetic (same on every device)."""
+    x = index * _signed(0x9E3779B97F4A7C15) + salt
+    x = (x ^ (x >> 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> 27)) * _signed(0x94D049BB133111EB)
+    return x ^ (x >> 31)
+
+
+def _weights(n: int, device: torch.device, kind: str) -> torch.Tensor:
+    """n position weights: odd ones for rows, even ones for columns (cached per device)."""
+    key = (str(device), kind)
+    have = _POSITION_WEIGHTS.get(key)
+    if have is None or have.numel() < n:
+        size = 1 << max(n - 1, 63).bit_length()  # a power of two >= n: few regrowths, little slack
+        h = _mix(torch.arange(size, dtype=torch.int64, device=device), 1 if kind == "row" else 2)
+        have = _POSITION_WEIGHTS[key] = h | 1 if kind == "row" else h * 2
+    return have[:n]
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bits as integers: 32-bit words where the last dim packs evenly, else t's own width."""
+    size = t.element_size()
+    if size < 4 and t.shape[-1] % (4 // size) == 0:
+        try:
+            return t.view(torch.int32)
+        except RuntimeError:  # last dim not contiguous or not word-aligned: same bits, packed after a copy
+            return t.contiguous().view(torch.int32)
+    return t.view(_INT_OF_SIZE[size])
+
+
+def weight_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on t's device from two integer reductions over t's raw bits (no host copy).
+
+    The bits, as integer words, are read as rows x last dim (leading dims flattened, any strides);
+    rowsum and colsum wrap at the word width. F = sum_r m_r * rowsum_r + sum_c w_c * colsum_c + numel
+    (mod 2^64), with odd row weights m_r and even column weights w_c. One flipped bit (bit k of a
+    word) changes F by (m_r + w_c) * 2^k plus multiples of 2^(word bits): never 0 mod 2^64, so it is
+    always caught; a wrong slice, a swapped or transposed block or stale data changes row or column
+    sums and goes unseen only by a ~2^-32 coincidence. Equal bits in equal order give equal F.
+    """
+    bits = t.detach()
+    bits = _as_words(bits.reshape(1) if bits.dim() == 0 else bits)
+    if bits.dim() == 1:
+        row_sums, col_sums = bits.sum(dim=0, keepdim=True, dtype=bits.dtype), bits
+    else:
+        row_sums = bits.sum(dim=-1, dtype=bits.dtype)
+        col_sums = bits.sum(dim=tuple(range(bits.dim() - 1)), dtype=bits.dtype)
+    m = _weights(row_sums.numel(), bits.device, "row").view(row_sums.shape)
+    w = _weights(col_sums.numel(), bits.device, "col")
+    return (row_sums.long() * m).sum() + (col_sums.long() * w).sum() + t.numel()
+
+
+_CHUNK_ELEMS = 1 << 24  # bounds the host copy when hashing a GPU tensor
+
+
+def weight_checksum(t: torch.Tensor) -> str:
+    """blake2b of dtype, element count and raw bytes in element order: equal iff bit-identical."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}|{t.numel()}|".encode())
+    flat = t.detach().contiguous().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK_ELEMS):
+        # always a copy: .numpy() on a view of the live storage would pin it as non-resizable,
+        # which breaks offloading that storage later (TensorStash shrinks and regrows it)
+        chunk = flat[start:start + _CHUNK_ELEMS].to("cpu", copy=True)
+        h.update(chunk.view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def weight_digest(t: torch.Tensor, mode: str):
+    """The digest `mode` ("fingerprint" or "exact") of t."""
+    if mode == "fingerprint":
+        return weight_fingerprint(t)
+    if mode == "exact":
+        return weight_checksum(t)
+    raise ValueError(f"no weight digest for verify mode {mode!r}; use one of {VERIFY_MODES[:2]}")

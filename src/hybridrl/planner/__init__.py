@@ -1,0 +1,9 @@
+"""The planner: process groups and per-GPU memory of a layout, before anything is built.
+
+plan.py    the groups of a TP x PP x DP layout and each phase's per-GPU memory (`scripts/plan_layout.py`,
+           `--dry-run`), hybrid engine against two copies
+memory.py  the byte counts of weights, gradients, optimizer state, activations and the loss side
+
+The planner reads the config, the workers' micro-batching and the offload rules; it must not import the
+trainer, build models or touch torch.distributed.
+"""

@@ -1,0 +1,280 @@
+"""Split placement: the trainers' side (`RolloutClient`) and the rollout ranks' loop (`serve_rollout`).
+
+The last `placement.rollout_world_size` ranks of the job only generate. Between the two roles runs one
+ordered conversation over the `control` bridge (every rank of the job is a member): the trainers'
+rank 0 sends `generate`, `weights` or `stop`; the rollout leader answers each `generate` with the
+responses of the whole request, in chunks of `async_training.stream_prompts` prompts when streaming.
+A message is never sent while an answer is owed, so the two sides cannot cross. Weights follow a
+`weights` message over their own bridge (`placement.transport`). Every answer carries the weight
+version that generated it: with `staleness_threshold` 1 the trainers submit batch k+1 right after
+receiving batch k and send update k's weights only after receiving batch k+1, so generation of
+k+1 overlaps the update on k and every trained sample is exactly one version old.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.config import Config
+from hybridrl.parallel.split_world import Bridge, SplitWorld
+from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
+from hybridrl.rollout.base import RolloutOutput, SamplingParams
+
+ROLLOUT_FIELDS = ("responses", "response_mask", "log_probs", "attention_mask")
+
+
+def control_bridge(world: SplitWorld) -> Bridge:
+    return Bridge(world, "control", list(range(world.world_size)))
+
+
+def weights_bridge(world: SplitWorld) -> Bridge | None:
+    """{trainer rank 0} + the rollout ranks: nccl on GPU, gloo on CPU (None on other trainers)."""
+    if world.rank != SENDER and world.role == "train":
+        return None
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return Bridge(world, "weights", [SENDER] + world.rollout_ranks, backend)
+
+
+class RolloutClient:
+    """The trainers' handle on the rollout ranks; every trainer rank calls every method (SPMD)."""
+
+    def __init__(self, cfg: Config, world: SplitWorld, groups, spec, pad_id: int):
+        from hybridrl.models.hf_config import spec_to_dict
+
+        self.cfg, self.world, self.groups, self.pad_id = cfg, world, groups, pad_id
+        self.control = control_bridge(world)
+        r = cfg.rollout
+        self.sender = WeightSender(weights_bridge(world), groups, spec, r.update_weights_bucket_mb, r.verify_weights)
+        self.version = 0
+        """Weight version the engines hold once the last `sync` lands (0: the initial weights)."""
+        self.owed = None
+        """The request whose answer has not been received yet: (rows per DP rank, key)."""
+        self.ready = {}
+        """Answers received ahead of their use (a drained prefetch), by key."""
+        self.wait_s = 0.0
+        self.last_version, self.last_width = 0, 0
+        self._send({"kind": "hello", "spec": spec_to_dict(spec)})
+
+    def _send(self, msg) -> None:
+        self.control.broadcast_object(msg if self.world.rank == SENDER else None, SENDER)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(self, prompt_ids: list, seeds: list, sampling: SamplingParams, key) -> None:
+        """Ask for responses to this DP rank's prompts (collective over the trainers); `key` names the
+        request (e.g. ("train", step)) for `result`."""
+        assert self.owed is None, "one request at a time: receive the owed answer first"
+        parts = [None] * self.groups.dp
+        dist.all_gather_object(parts, (prompt_ids, seeds), group=self.groups.dp_group)
+        counts = [len(p[0]) for p in parts]
+        self._send({"kind": "generate", "prompts": [x for p in parts for x in p[0]],
+                    "seeds": [s for p in parts for s in p[1]], "sampling": sampling,
+                    "multi_turn": self.cfg.rollout.multi_turn.enable,
+                    "stream": self.cfg.async_training.stream_prompts})
+        self.owed = (counts, key)
+
+    def receive(self):
+        """Yield (RolloutOutput of this DP rank's rows [lo, hi) of its prompts, lo, hi, version) per chunk
+        as the answer arrives; the rows of a chunk are whole prompt groups."""
+        counts, key = self.owed
+        self.owed = None
+        lo_rank = sum(counts[:self.groups.dp_rank])
+        hi_rank = lo_rank + counts[self.groups.dp_rank]
+        while True:
+            start = time.perf_counter()
+            msg = self.control.broadcast_object(None, self.world.rollout_leader)
+            self.wait_s += time.perf_counter() - start
+            self.last_version, self.last_width = msg["version"], msg["out"].responses.shape[1]
+            lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
+            if lo < hi:
+                n = msg["n"]
+                rows = slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n)
+                yield _rows(msg["out"], rows), lo - lo_rank, hi - lo_rank, msg["version"]
+            if msg["last"]:
+                return
+
+    def generate(self, prompt_ids: list, seeds: list, sampling: SamplingParams):
+        """(RolloutOutput of this rank's prompts, version): a whole answer, chunks joined in order."""
+        self.submit(prompt_ids, seeds, sampling, key=None)
+        return self.collect()
+
+    def collect(self):
+        """(RolloutOutput of this rank's prompts, the version that generated it) of the owed answer."""
+        chunks = sorted(self.receive(), key=lambda c: c[1])
+        if not chunks:  # no prompt of this DP rank in the request
+            empty = torch.zeros(0, self.last_width)
+            return RolloutOutput(empty.long(), empty, empty.clone()), self.last_version
+        return _join([c[0] for c in chunks], self.pad_id), min(c[3] for c in chunks)
+
+    # ---- weights and the end ------------------------------------------------------------------
+    def take_wait(self) -> float:
+        """Seconds spent waiting for answers since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+    def sync(self, model, version: int) -> dict:
+        """Send the current weights, as `version` (collective over the trainers)."""
+        assert self.owed is None, "receive the owed answer before sending weights"
+        self.version = version
+        self._send({"kind": "weights"})
+        return self.sender.send(model, version)
+
+    def stop(self) -> None:
+        if self.owed is not None:
+            self.collect()
+        self._send({"kind": "stop"})
+
+
+def _per_row(out: RolloutOutput) -> dict:
+    """The fields of an output with one entry per response row (tensors [rows] or [rows, width])."""
+    rows = out.responses.shape[0]
+    return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)
+            if isinstance(getattr(out, f.name), torch.Tensor) and getattr(out, f.name).shape[:1] == (rows,)}
+
+
+def _rows(out: RolloutOutput, rows: slice) -> RolloutOutput:
+    return dataclasses.replace(out, **{k: v[rows] for k, v in _per_row(out).items()})
+
+
+def _join(parts: list, pad_id: int) -> RolloutOutput:
+    """Outputs of consecutive prompt ranges as one, right-padded to the widest; engine counters summed."""
+    if len(parts) == 1:
+        return parts[0]
+    fields = {}
+    for k, v in _per_row(parts[0]).items():
+        if v.dim() == 1:
+            fields[k] = torch.cat([getattr(p, k) for p in parts])
+            continue
+        width = max(getattr(p, k).shape[1] for p in parts)
+        fill = pad_id if k == "responses" else 0
+        fields[k] = torch.cat([torch.nn.functional.pad(getattr(p, k), (0, width - getattr(p, k).shape[1]), value=fill)
+                               for p in parts])
+    stats = {}
+    for p in parts:
+        for k, v in p.stats.items():
+            stats[k] = stats.get(k, 0) + v
+    return dataclasses.replace(parts[0], stats=stats, **fields)
+
+
+# ---- the rollout ranks ---------------------------------------------------------------------------
+
+def serve_rollout(cfg: Config, world: SplitWorld) -> int:
+    """The loop of a rollout rank: build the engine, then answer the trainers until `stop`."""
+    from hybridrl.models.hf_config import spec_from_dict
+    from hybridrl.placement.reshard import new_rollout_groups
+    from hybridrl.rollout.agent_loop import AgentLoop
+    from hybridrl.tokenizer import load_tokenizer
+    from hybridrl.trainer.roles import build_rollout
+
+    control = control_bridge(world)
+    receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
+    hello = control.broadcast_object(None, SENDER)
+    groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
+    engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
+    agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
+    version = -1  # no weights yet
+    while True:
+        msg = control.broadcast_object(None, SENDER)
+        if msg["kind"] == "stop":
+            return 0
+        if msg["kind"] == "weights":
+            version = receiver.receive(engine)
+            continue
+        _answer(control, world, engine, agent, groups, msg, version)
+
+
+def _answer(control: Bridge, world: SplitWorld, engine, agent, groups, msg, version: int) -> None:
+    """Generate a request in chunks (each engine replica takes a contiguous share of a chunk) and send
+    each chunk to the trainers as it completes."""
+    prompts, seeds, sampling = msg["prompts"], msg["seeds"], msg["sampling"]
+    step = msg["stream"] or max(len(prompts), 1)
+    for lo in range(0, max(len(prompts), 1), step):
+        hi = min(lo + step, len(prompts))
+        share = _replica_share(lo, hi, groups)
+        run = agent.generate if agent is not None else None
+        ids, s = prompts[share[0]:share[1]], seeds[share[0]:share[1]]
+        out = run(engine, ids, sampling, s) if run is not None else engine.generate(ids, sampling, s)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (share, out if groups.tp_rank == 0 else None))
+        if world.rank == world.rollout_leader:
+            outs = [o for (a, b), o in sorted((p for p in parts if p[1] is not None), key=lambda p: p[0][0])
+                    if b > a]
+            joined = _join(outs, engine.pad_id) if outs else out
+            msg_out = {"lo": lo, "hi": hi, "n": sampling.n, "out": joined, "version": version, "last": hi >= len(prompts)}
+        else:
+            msg_out = None
+        control.broadcast_object(msg_out, world.rollout_leader)
+
+
+def _replica_share(lo: int, hi: int, groups) -> tuple[int, int]:
+    """The [a, b) of prompts [lo, hi) that this rank's engine replica generates."""
+    n, replicas = hi - lo, groups.dp
+    a = lo + (n * groups.dp_rank) // replicas
+    return a, lo + (n * (groups.dp_rank + 1)) // replicas
+
+
+class Pipeline:
+    """How far generation runs ahead of training (`async_training.staleness_threshold`), over a client.
+
+    s = 0: weights go out right after each update, and every batch is generated with them.
+    s = 1: `prefetch` submits batch k+1 right after batch k arrives, before the update on k; update
+    k's weights wait until batch k+1 is received (`updated` only marks them), so they never cross it.
+    Answers are looked up by key: a prefetched batch is used by the step it was submitted for."""
+
+    def __init__(self, client: RolloutClient, staleness: int):
+        self.client, self.staleness = client, staleness
+        self.held = {}
+        """key -> (output, version): answers received before their step asked for them."""
+        self.owed_key = None
+        self.pending = None
+        """(model, version) whose weights still have to reach the engines."""
+
+    def generate(self, ids: list, seeds: list, sampling: SamplingParams, key):
+        if key in self.held:
+            return self.held.pop(key)
+        if self.owed_key == key:
+            return self._receive()
+        self.drain()
+        self.flush()
+        return self.client.generate(ids, seeds, sampling)
+
+    def prefetch(self, ids: list, seeds: list, sampling: SamplingParams, key) -> None:
+        """s = 1: weights of the last update out, then the next batch in flight; s = 0: nothing."""
+        if self.staleness == 0:
+            return
+        self.drain()
+        self.flush()
+        self.client.submit(ids, seeds, sampling, key)
+        self.owed_key = key
+
+    def updated(self, model, version: int, now: bool = False) -> dict:
+        """New weights after an update: sent now (s = 0, or `now`), else when the batch in flight is in."""
+        self.pending = (model, version)
+        if now or self.staleness == 0 or self.owed_key is None:
+            return self.flush()
+        return {}
+
+    def flush(self) -> dict:
+        if self.pending is None:
+            return {}
+        self.drain()
+        model, version = self.pending
+        self.pending = None
+        return self.client.sync(model, version)
+
+    def drain(self) -> None:
+        """Receive the answer in flight (kept for its step)."""
+        if self.owed_key is not None:
+            key = self.owed_key
+            self.held[key] = self._receive()
+
+    def _receive(self):
+        self.owed_key = None
+        return self.client.collect()
+
+    def stop(self) -> None:
+        self.drain()
+        self.client.stop()

@@ -1,0 +1,121 @@
+"""Split placement in one torchrun job: the last k ranks only generate, the others train.
+
+Sampling is layout-independent (per-prompt seeds), so a synchronous split run must give the colocated
+run's metrics and parameters; with staleness 1 every batch after the first is one version old.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_trainer import ROOT, TINY, _overrides, _torchrun, read_scalars
+
+SPLIT = ["placement.mode=split", "placement.rollout_world_size=1"]
+SAME = ("actor/", "critic/", "response_length/", "rollout/logprob_diff", "training/")
+
+
+def _colocated(tmp, extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, extra)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _hf_weights(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def _assert_same_run(a, b, steps, rel=1e-5):
+    compared = 0
+    for key, by_step in a.items():
+        if not key.startswith(SAME):
+            continue
+        for step in steps:
+            x, y = by_step[step], b[key][step]
+            assert abs(x - y) <= rel * max(1.0, abs(x)), (key, step, x, y)
+            compared += 1
+    assert compared >= 20 * len(steps)
+
+
+@pytest.mark.slow
+def test_split_synchronous_equals_colocated(tmp_path):
+    """PPO (critic on the actor's ranks, KL in the reward): 1 trainer + 1 rollout rank give the colocated
+    run's metrics at every step and its parameters after 3 steps."""
+    common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.total_training_steps=3"]
+    _colocated(tmp_path / "colocated", common + [f"trainer.export_hf_dir={tmp_path}/colocated/hf"])
+    _torchrun(tmp_path / "split", 2, common + SPLIT + [f"trainer.export_hf_dir={tmp_path}/split/hf"])
+    one, two = read_scalars(tmp_path / "colocated"), read_scalars(tmp_path / "split")
+    _assert_same_run(one, two, (1, 2, 3))
+    assert two["rollout/staleness/max"] == {1: 0.0, 2: 0.0, 3: 0.0}
+    a, b = _hf_weights(tmp_path / "colocated" / "hf"), _hf_weights(tmp_path / "split" / "hf")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_split_training_tp2_with_two_engine_replicas(tmp_path):
+    """2 trainers at TP 2 stream TP-gathered weights to 2 rollout ranks, each its own engine replica
+    sharing the prompts; GRPO with streamed chunks of one prompt gives the colocated run."""
+    common = ["trainer.total_training_steps=2", "parallel.tensor_model_parallel_size=2"]
+    _colocated(tmp_path / "colocated", ["trainer.total_training_steps=2"])
+    _torchrun(tmp_path / "split", 4, common + ["placement.mode=split", "placement.rollout_world_size=2",
+                                               "async_training.stream_prompts=1"])
+    _assert_same_run(read_scalars(tmp_path / "colocated"), read_scalars(tmp_path / "split"), (1, 2))
+
+
+@pytest.mark.slow
+def test_one_step_off_policy(tmp_path):
+    """Staleness 1: the first batch is colocated's; every later batch was generated one version behind
+    the policy that trains on it (so the engine's log-probs now differ from the trainer's)."""
+    common = ["trainer.total_training_steps=3", "actor.optim.lr=5e-3"]
+    _colocated(tmp_path / "colocated", common)
+    _torchrun(tmp_path / "split", 2, common + SPLIT + ["async_training.staleness_threshold=1"])
+    one, two = read_scalars(tmp_path / "colocated"), read_scalars(tmp_path / "split")
+    _assert_same_run(one, two, (1,))
+    assert two["rollout/staleness/mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert two["rollout/staleness/max"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert two["rollout/logprob_diff_mean"][1] < 1e-5
+    assert min(two["rollout/logprob_diff_mean"][s] for s in (2, 3)) > 1e-3
+
+
+BAD = [
+    (["placement.mode=split", "placement.rollout_world_size=1"], 1, "at least 2 processes"),
+    (["placement.mode=split", "placement.rollout_world_size=2"], 2, "leaves no rank to train"),
+    (["placement.mode=split", "placement.rollout_world_size=1", "rollout.tensor_model_parallel_size=2"], 3,
+     "not a multiple of rollout.tensor_model_parallel_size"),
+    (["placement.mode=split", "placement.rollout_world_size=1", "async_training.staleness_threshold=1",
+      "algorithm.rollout_correction.bypass_mode=true"], 2, "bypass_mode"),
+    (["async_training.staleness_threshold=1"], 1, "placement.mode=split"),
+    (["placement.mode=split"], 2, "rollout_world_size=k > 0"),
+    (["placement.rollout_world_size=1"], 2, "only apply with placement.mode=split"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,needle", BAD)
+def test_impossible_placements_name_the_key(overrides, world, needle):
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+    from hybridrl.config.layout import derive_layout
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        derive_layout(load_config(TINY, overrides), world, 64)
+
+
+def test_split_with_one_process_is_one_error_line(tmp_path):
+    env = dict(os.environ)
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
+                          + _overrides(tmp_path, SPLIT), capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "placement.mode=split needs at least 2 processes" in errors[0], proc.stderr[-2000:]
