@@ -119,3 +119,70 @@ def test_split_with_one_process_is_one_error_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "placement.mode=split needs at least 2 processes" in errors[0], proc.stderr[-2000:]
+
+
+def _launch_split(tmp, how: str):
+    """A long split run (1 trainer + 1 rollout rank) launched by torchrun or, as srun does, one process
+    per rank with RANK/WORLD_SIZE set; returns (processes, stdout file of rank 0 or torchrun)."""
+    from dist_helper import free_port
+
+    extra = SPLIT + ["trainer.total_training_steps=100000", "trainer.log_freq=1"]
+    script = [os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.makedirs(tmp, exist_ok=True)
+    logs = [open(tmp / f"out{r}.log", "w") for r in range(2)]
+    if how == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={env['MASTER_PORT']}"] + script
+        return [subprocess.Popen(cmd, stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT, env=env)], tmp / "out0.log"
+    procs = [subprocess.Popen([sys.executable] + script, stdout=logs[r], stderr=subprocess.STDOUT, cwd=ROOT,
+                              env=dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))) for r in range(2)]
+    return procs, tmp / "out0.log"
+
+
+def _wait_for(path, text, timeout=120):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{text!r} never appeared in {path}: {path.read_text()[-2000:]}")
+
+
+def _rollout_pid(procs):
+    import psutil
+
+    for p in [psutil.Process(x.pid) for x in procs]:
+        for q in [p] + p.children(recursive=True):
+            try:
+                if q.environ().get("RANK") == "1" and "train_ppo.py" in " ".join(q.cmdline()):
+                    return q.pid
+            except psutil.Error:
+                continue
+    raise AssertionError("no rollout rank found")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["per-rank processes", "torchrun"])
+def test_a_killed_rollout_rank_ends_the_job(tmp_path, how):
+    """kill -9 of the rollout rank mid-run: the trainer ends within seconds, non-zero, never hangs; launched
+    rank by rank (as srun does), the trainer says which role and rank died and in which phase."""
+    import signal
+    import time
+
+    procs, log = _launch_split(tmp_path, how)
+    try:
+        _wait_for(log, "step:3")
+        os.kill(_rollout_pid(procs), signal.SIGKILL)
+        start = time.monotonic()
+        codes = [p.wait(timeout=60) for p in procs]
+        assert time.monotonic() - start < 30
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes[0] != 0
+    if how != "torchrun":
+        errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "rollout rank 1 died or stopped answering during" in errors[0], errors

@@ -49,11 +49,14 @@ class TrainerConfig:
     """Show a progress bar over steps (rank 0)."""
     log_freq: int = 1
     """Print a console line every this many steps (and at validations and the last step)."""
+    dist_timeout_s: int = 600
+    """Process-group timeout: a collective waiting this long for a rank that stopped fails the job."""
 
     def __post_init__(self):
         check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")
         check(self.test_freq >= -1, "trainer.test_freq must be >= 1, 0 (never) or -1 (only at the end)")
         check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
+        check(self.dist_timeout_s > 0, "trainer.dist_timeout_s must be > 0 (seconds)")
         check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep must be >= 1")
         for sink in self.logger:
             one_of("trainer.logger", sink, LOGGERS)

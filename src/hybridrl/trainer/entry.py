@@ -61,7 +61,8 @@ def user_errors() -> tuple:
                          ("hybridrl.placement.reshard", "HandoffError"), ("hybridrl.trainer.ppo", "TrainingError"),
                          ("hybridrl.trainer.dynamic_sampling", "FilterGroupsError"),
                          ("hybridrl.checkpoint", "CheckpointError"), ("hybridrl.metrics", "LoggerError"),
-                         ("hybridrl.parallel.distributed", "LaunchError")):
+                         ("hybridrl.parallel.distributed", "LaunchError"),
+                         ("hybridrl.trainer.split", "PeerLostError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):

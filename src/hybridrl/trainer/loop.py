@@ -80,7 +80,7 @@ def setup_run(cfg: Config):
     from hybridrl.tokenizer import load_tokenizer
 
     setup_logging()
-    le = init_distributed()
+    le = init_distributed(cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
@@ -115,7 +115,7 @@ def start_split(cfg: Config):
     from hybridrl.trainer.split import serve_rollout
 
     le = launch_env()
-    world = init_split_world(le, split_ranks(cfg, le.world_size))
+    world = init_split_world(le, split_ranks(cfg, le.world_size), cfg.trainer.dist_timeout_s)
     if world.role == "rollout":
         setup_logging()
         return world, serve_rollout(cfg, world)
@@ -127,17 +127,32 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
     if served is not None:
         return served
     le, tokenizer, layout, groups, train_loader, val_loader = setup_run(cfg)
-    remote = None
+    remote, done = None, False
     try:
         if world is not None:
             from hybridrl.trainer.split import Pipeline, RolloutClient
 
             remote = Pipeline(RolloutClient(cfg, world, groups, _spec(cfg, tokenizer, groups), tokenizer.pad_token_id),
                               cfg.async_training.staleness_threshold)
-        return _train(cfg, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile)
+        code = _train(cfg, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile)
+        done = True
+        return code
     finally:
-        if remote is not None:
-            remote.stop()
+        _stop_rollout(remote, done)
+
+
+def _stop_rollout(remote, done: bool) -> None:
+    """Release the rollout ranks: after a clean run, and after a trainer error too (so they do not wait
+    for requests that never come), unless the conversation itself is what broke."""
+    if remote is None:
+        return
+    from hybridrl.trainer.split import PeerLostError
+
+    try:
+        remote.stop()
+    except (PeerLostError, RuntimeError):
+        if done:
+            raise
 
 
 def _spec(cfg: Config, tokenizer, groups):

@@ -12,6 +12,7 @@ k+1 overlaps the update on k and every trained sample is exactly one version old
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -23,7 +24,24 @@ from hybridrl.parallel.split_world import Bridge, SplitWorld
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
 
-ROLLOUT_FIELDS = ("responses", "response_mask", "log_probs", "attention_mask")
+
+
+class PeerLostError(RuntimeError):
+    """The other role stopped answering (its process died or broke off); names role, ranks and phase."""
+
+
+@contextlib.contextmanager
+def _talking_to(role: str, ranks: list, phase: str):
+    """Turn a broken connection to the other role into one PeerLostError naming who and when."""
+    try:
+        yield
+    except PeerLostError:
+        raise
+    except (RuntimeError, ConnectionError) as err:  # gloo/nccl report a dead peer as RuntimeError subclasses
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise PeerLostError(f"{role} {who} died or stopped answering during {phase} ({reason}); "
+                            f"the job stops: see that rank's log, then resume from the last checkpoint") from None
 
 
 def control_bridge(world: SplitWorld) -> Bridge:
@@ -59,7 +77,11 @@ class RolloutClient:
         self._send({"kind": "hello", "spec": spec_to_dict(spec)})
 
     def _send(self, msg) -> None:
-        self.control.broadcast_object(msg if self.world.rank == SENDER else None, SENDER)
+        with self._peer(f"the {msg['kind'] if msg else 'next'} request" if self.world.rank == SENDER else "a request"):
+            self.control.broadcast_object(msg if self.world.rank == SENDER else None, SENDER)
+
+    def _peer(self, phase: str):
+        return _talking_to("rollout", self.world.rollout_ranks, phase)
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list, seeds: list, sampling: SamplingParams, key) -> None:
@@ -84,7 +106,8 @@ class RolloutClient:
         hi_rank = lo_rank + counts[self.groups.dp_rank]
         while True:
             start = time.perf_counter()
-            msg = self.control.broadcast_object(None, self.world.rollout_leader)
+            with self._peer("generation (waiting for responses)"):
+                msg = self.control.broadcast_object(None, self.world.rollout_leader)
             self.wait_s += time.perf_counter() - start
             self.last_version, self.last_width = msg["version"], msg["out"].responses.shape[1]
             lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
@@ -119,7 +142,8 @@ class RolloutClient:
         assert self.owed is None, "receive the owed answer before sending weights"
         self.version = version
         self._send({"kind": "weights"})
-        return self.sender.send(model, version)
+        with self._peer("the weight sync"):
+            return self.sender.send(model, version)
 
     def stop(self) -> None:
         if self.owed is not None:
@@ -171,19 +195,24 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     control = control_bridge(world)
     receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    hello = control.broadcast_object(None, SENDER)
+    with _talking_to("trainer", list(range(world.train_world_size)), "start-up"):
+        hello = control.broadcast_object(None, SENDER)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
     agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
     version = -1  # no weights yet
+    trainers = list(range(world.train_world_size))
     while True:
-        msg = control.broadcast_object(None, SENDER)
+        with _talking_to("trainer", trainers, "the wait for a request"):
+            msg = control.broadcast_object(None, SENDER)
         if msg["kind"] == "stop":
             return 0
         if msg["kind"] == "weights":
-            version = receiver.receive(engine)
+            with _talking_to("trainer", trainers, "the weight sync"):
+                version = receiver.receive(engine)
             continue
-        _answer(control, world, engine, agent, groups, msg, version)
+        with _talking_to("trainer", trainers, "sending responses"):
+            _answer(control, world, engine, agent, groups, msg, version)
 
 
 def _answer(control: Bridge, world: SplitWorld, engine, agent, groups, msg, version: int) -> None:
