@@ -63,6 +63,26 @@ def test_split_synchronous_equals_colocated(tmp_path):
 
 
 @pytest.mark.slow
+def test_streamed_chunks_give_the_whole_batch_step(tmp_path):
+    """PPO with chunks of one prompt: reward, old/ref log-probs and values run per chunk as it arrives;
+    the metrics equal the whole-batch split step (s = 0), and at s = 1 the unstreamed s = 1 run."""
+    common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.total_training_steps=3",
+              "trainer.timeline_dir=" + str(tmp_path / "timeline")] + SPLIT
+    for s in (0, 1):
+        _torchrun(tmp_path / f"whole{s}", 2, common + [f"async_training.staleness_threshold={s}"])
+        _torchrun(tmp_path / f"streamed{s}", 2, common + [f"async_training.staleness_threshold={s}",
+                                                          "async_training.stream_prompts=1"])
+        _assert_same_run(read_scalars(tmp_path / f"whole{s}"), read_scalars(tmp_path / f"streamed{s}"), (1, 2, 3))
+    from hybridrl.timeline import read_trace
+
+    events = read_trace(str(tmp_path / "timeline" / "timeline.json"))
+    names = {(e["cat"], e["name"]) for e in events if e["ph"] == "X"}
+    assert {("trainer", "old_log_prob"), ("trainer", "ref"), ("trainer", "wait_rollout"), ("rollout", "gen"),
+            ("rollout", "update_weights")} <= names, names
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+
+
+@pytest.mark.slow
 def test_split_training_tp2_with_two_engine_replicas(tmp_path):
     """2 trainers at TP 2 stream TP-gathered weights to 2 rollout ranks, each its own engine replica
     sharing the prompts; GRPO with streamed chunks of one prompt gives the colocated run."""

@@ -29,6 +29,8 @@ class StageTimer:
         self.reserved_bytes = 0
         self.cuda = torch.cuda.is_available()
         self._open: list = []
+        self.on_span = None
+        """Called as on_span(name, start, end) (time.perf_counter seconds) when a stage ends: a timeline."""
 
     def _record_peak(self, names) -> None:
         """Fold the allocator's peak since its last reset into `names` (then reset it)."""
@@ -47,7 +49,10 @@ class StageTimer:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.seconds[name] += end - start
+            if self.on_span is not None:
+                self.on_span(name, start, end)
             if self.cuda:
                 self._record_peak(self._open)
             self._open.pop()

@@ -40,6 +40,10 @@ class Timeline:
         """This timeline's clock: the epoch at construction plus perf_counter's (monotonic) progress."""
         return self._epoch0 + (time.perf_counter() - self._pc0)
 
+    def at(self, perf_counter_s: float) -> float:
+        """A `time.perf_counter()` reading on this timeline's clock."""
+        return self._epoch0 + (perf_counter_s - self._pc0)
+
     def span(self, name: str):
         """`with timeline.span("gen"):` records the block, also when it raises."""
         return self._span(name) if self.enabled else _NULL

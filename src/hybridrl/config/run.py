@@ -49,6 +49,8 @@ class TrainerConfig:
     """Show a progress bar over steps (rank 0)."""
     log_freq: int = 1
     """Print a console line every this many steps (and at validations and the last step)."""
+    timeline_dir: str = ""
+    """Write a Chrome-trace JSON (timeline.json: one track per rank, a span per phase) here; empty disables."""
     dist_timeout_s: int = 600
     """Process-group timeout: a collective waiting this long for a rank that stopped fails the job."""
 

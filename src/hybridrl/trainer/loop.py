@@ -67,7 +67,8 @@ def _profile_line(step: int, m: dict) -> str:
     actor_s = t("old_log_prob") + t("update_actor")
     line = f"[STEP {step}] Rollout: {m.get('perf/rollout_tokens', 0) / t('gen'):.0f} tokens/s | Actor: {tokens / actor_s:.0f} tokens/s"
     critic = f"{tokens / (t('values') + t('update_critic')):.0f} tokens/s" if "timing_s/update_critic" in m else "n/a"
-    return line + f" | Critic: {critic} | Total: {t('step'):.2f} s/step"
+    overlap = f" | Overlap: {m['perf/overlap']:.0%}" if "perf/overlap" in m else ""
+    return line + f" | Critic: {critic} | Total: {t('step'):.2f} s/step" + overlap
 
 
 def setup_run(cfg: Config):
@@ -219,6 +220,10 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         bar.update(1)
     saver.finalize()
     bar.close()
+    if remote is not None:
+        remote.stop()  # the rollout ranks' last spans come back with their goodbye
+    if tc.timeline_dir:
+        _write_timeline(trainer, tc.timeline_dir)
     _print_trend("mean reward", rewards)
     _print_trend("tool calls per trajectory", tool_calls)
     _print_val_trend(val_history)
@@ -228,6 +233,25 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         _export_hf(trainer, tc.export_hf_dir)
     writer.close()
     return 0
+
+
+def _write_timeline(trainer, folder: str) -> None:
+    """timeline.json under `folder`: every trainer rank's track, and the rollout ranks' in split placement."""
+    from hybridrl.timeline import overlap, role_groups, write_trace
+    from hybridrl.trainer.split import rollout_events
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, trainer.timeline.events())
+    if dist.get_rank() != 0:
+        return
+    events = [e for part in parts for e in part]
+    if trainer.remote is not None:
+        events += rollout_events(trainer.remote.client.spans)
+    path = os.path.join(folder, "timeline.json")
+    write_trace(path, events)
+    groups = role_groups(events)
+    shared = f", both roles computing {overlap(events, groups):.0%} of the time" if len(groups) > 1 else ""
+    print0(f"timeline: {path} (open it in Perfetto or chrome://tracing){shared}")
 
 
 def _resume(trainer, path, loader) -> int:

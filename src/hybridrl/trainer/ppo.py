@@ -26,6 +26,9 @@ from hybridrl.rewards.overlong import overlong_penalty
 from hybridrl.rewards.registry import combine_scores
 from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.timeline import Timeline
+from hybridrl.trainer.split import step_overlap
+from hybridrl.trainer.streamed import sample_streamed
 from hybridrl.trainer.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
 from hybridrl.trainer.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
@@ -51,11 +54,19 @@ class PPOTrainer:
         self.version = 0
         """Policy version: the step whose update the actor's weights hold (0: the initial weights)."""
         self.gen_versions: list = []
+        self.last_window = None
         self.roles, self.reward_fn, self.writer = roles, reward_fn, writer
         self.actor, self.ref, self.critic, self.rollout = roles.actor, roles.ref, roles.critic, roles.rollout
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.timer = StageTimer()
+        # a span per phase: for trainer.timeline_dir, and (split) for the overlap of the two roles
+        self.timeline = Timeline(dist.get_rank(), "trainer", bool(cfg.trainer.timeline_dir) or remote is not None)
+        if self.timeline.enabled:
+            at = self.timeline.at
+            self.timer.on_span = lambda name, start, end: self.timeline.add(name, at(start), at(end))
+            if remote is not None:  # time spent blocked on the rollout ranks is idle, whatever stage holds it
+                remote.client.on_wait = lambda start, end: self.timeline.add("wait_rollout", at(start), at(end))
         self.agent_loop = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
         # hybrid engine: each phase keeps on the device only what it needs (offload.HYBRID_PHASES)
         self.hybrid = PhaseOffload({"actor": Offloader(self.actor.engine.module, self.actor.optimizer, cfg.actor.offload),
@@ -75,29 +86,15 @@ class PPOTrainer:
         t.reset()
         self.gen_versions = []
         step_start = time.perf_counter()
-        batch, scores, sample_metrics = self.sample(prompts, step, next_prompts)
-        if self.remote is not None and upcoming is not None:
-            with t("update_weights"):
-                self.remote.prefetch(*self._request(upcoming, self.train_sampling(), step + 1))
         actor_steps = step > cfg.trainer.critic_warmup or self.critic is None
         source = self.old_log_prob_source
         if source == "update" and not actor_steps:
             source = "pass"
-        if source == "rollout":
-            batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif source == "pass":
-            with t("old_log_prob"):
-                self.hybrid.enter("old_log_prob")
-                batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_prob(
-                    batch, self.batching.actor_log_prob, with_entropy=True)
-        if self.ref is not None:
-            with t("ref"):
-                self.hybrid.enter("ref")
-                batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, self.batching.ref_log_prob)
-        if self.values_source == "pass":
-            with t("values"):
-                self.hybrid.enter("values")
-                batch["values"] = self.critic.compute_values(batch, self.batching.critic_values)
+        batch, scores, sample_metrics = self.sample(prompts, step, next_prompts, source)
+        if self.remote is not None and upcoming is not None:
+            with t("update_weights"):
+                self.remote.prefetch(*self.rollout_request(upcoming, self.train_sampling(), step + 1))
+        self.forward_passes(batch, source)
         with t("adv"):  # with values from the critic update, GAE follows it (finish_advantages)
             metrics = self.compute_advantages(batch, scores)
         metrics.update(sample_metrics)
@@ -121,8 +118,34 @@ class PPOTrainer:
         t.seconds["step"] = time.perf_counter() - step_start
         metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
         metrics.update(self.staleness_metrics(step))
+        if self.remote is not None:  # staleness 1: the spans of the generation that overlapped the previous
+            window = (self.timeline.at(step_start), self.timeline.at(step_start + t.seconds["step"]))
+            measured = self.last_window if self.cfg.async_training.staleness_threshold else window
+            self.last_window = window  # step arrived with this step's batch: that step's overlap is known now
+            if measured is not None:
+                metrics["perf/overlap"] = step_overlap(self.timeline, self.remote.client.spans, measured)
         metrics.update(t.metrics())
         return metrics
+
+    def forward_passes(self, batch, source: str) -> None:
+        """Old log-probs (from the engine, or a pass of their own), reference log-probs and values, each
+        where the step needs it and the batch does not hold it yet (a streamed step ran them per chunk)."""
+        t = self.timer
+        if source == "rollout":
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif source == "pass" and "old_log_probs" not in batch:
+            with t("old_log_prob"):
+                self.hybrid.enter("old_log_prob")
+                batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_prob(
+                    batch, self.batching.actor_log_prob, with_entropy=True)
+        if self.ref is not None and "ref_log_probs" not in batch:
+            with t("ref"):
+                self.hybrid.enter("ref")
+                batch["ref_log_probs"], _ = self.ref.compute_log_prob(batch, self.batching.ref_log_prob)
+        if self.values_source == "pass" and "values" not in batch:
+            with t("values"):
+                self.hybrid.enter("values")
+                batch["values"] = self.critic.compute_values(batch, self.batching.critic_values)
 
     def train_sampling(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -137,7 +160,7 @@ class PPOTrainer:
         collective) and broadcasts the result to its TP/PP peers.
         """
         if self.remote is not None:
-            return self._assemble(prompts, sampling, self._remote_output(prompts, sampling, step), True)
+            return self.assemble_batch(prompts, sampling, self._remote_output(prompts, sampling, step), True)
         source = is_rollout_source(self.groups)
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)] if source else []
         seeds = prompt_seeds(sampling.seed, step, prompts.index) if source else []
@@ -152,9 +175,9 @@ class PPOTrainer:
                 out = self.rollout.generate(ids, sampling, seeds)
             if self.cfg.rollout.free_cache_engine:
                 self.rollout.sleep()
-        return self._assemble(prompts, sampling, out, source)
+        return self.assemble_batch(prompts, sampling, out, source)
 
-    def _request(self, prompts, sampling: SamplingParams, step: int):
+    def rollout_request(self, prompts, sampling: SamplingParams, step: int):
         """(prompt token ids, seeds, sampling, key) of a request to the rollout ranks."""
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)]
         return ids, prompt_seeds(sampling.seed, step, prompts.index), sampling, (step, tuple(prompts.index), sampling)
@@ -162,12 +185,12 @@ class PPOTrainer:
     def _remote_output(self, prompts, sampling: SamplingParams, step: int):
         """Split placement: this rank's responses from the rollout ranks (prefetched, or asked for now)."""
         with self.timer("generate_sequences"):
-            out, version = self.remote.generate(*self._request(prompts, sampling, step))
+            out, version = self.remote.generate(*self.rollout_request(prompts, sampling, step))
         if sampling == self.train_sampling():
             self.gen_versions.append(version)
         return out
 
-    def _assemble(self, prompts, sampling: SamplingParams, out, source: bool) -> Dict[str, torch.Tensor]:
+    def assemble_batch(self, prompts, sampling: SamplingParams, out, source: bool) -> Dict[str, torch.Tensor]:
         """The step batch from the engine's output (on the source rank; broadcast to its replica)."""
         R = self.cfg.data.max_response_length
         rows, device = len(prompts) * sampling.n, self.groups.device
@@ -186,8 +209,11 @@ class PPOTrainer:
         batch.update({k: rollout[k] for k in (extra or {}) if k != "attention_mask"})
         return batch
 
-    def sample(self, prompts, step: int, next_prompts=None):
-        """(batch, scores, metrics) of this step: one generation batch, or DAPO's dynamic sampling."""
+    def sample(self, prompts, step: int, next_prompts=None, source: str = "pass"):
+        """(batch, scores, metrics) of this step: one generation batch, DAPO's dynamic sampling, or (split
+        placement with stream_prompts) chunks scored and passed forward as they arrive."""
+        if self.remote is not None and self.cfg.async_training.stream_prompts:
+            return (*sample_streamed(self, prompts, step, source), {})
         def generate_and_score(p):
             with self.timer("gen"):
                 batch = self.generate(p, self.train_sampling(), step)

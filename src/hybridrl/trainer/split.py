@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
+import threading
 import time
 
 import torch
@@ -74,6 +76,10 @@ class RolloutClient:
         """Answers received ahead of their use (a drained prefetch), by key."""
         self.wait_s = 0.0
         self.last_version, self.last_width = 0, 0
+        self.spans = []
+        """(global rank, phase, start, end) of the rollout ranks, as their answers bring them."""
+        self.on_wait = None
+        """Called as on_wait(start, end) (perf_counter seconds) after each wait for an answer."""
         self._send({"kind": "hello", "spec": spec_to_dict(spec)})
 
     def _send(self, msg) -> None:
@@ -109,7 +115,10 @@ class RolloutClient:
             with self._peer("generation (waiting for responses)"):
                 msg = self.control.broadcast_object(None, self.world.rollout_leader)
             self.wait_s += time.perf_counter() - start
+            if self.on_wait is not None:
+                self.on_wait(start, time.perf_counter())
             self.last_version, self.last_width = msg["version"], msg["out"].responses.shape[1]
+            self.spans += msg["spans"]
             lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
             if lo < hi:
                 n = msg["n"]
@@ -117,19 +126,6 @@ class RolloutClient:
                 yield _rows(msg["out"], rows), lo - lo_rank, hi - lo_rank, msg["version"]
             if msg["last"]:
                 return
-
-    def generate(self, prompt_ids: list, seeds: list, sampling: SamplingParams):
-        """(RolloutOutput of this rank's prompts, version): a whole answer, chunks joined in order."""
-        self.submit(prompt_ids, seeds, sampling, key=None)
-        return self.collect()
-
-    def collect(self):
-        """(RolloutOutput of this rank's prompts, the version that generated it) of the owed answer."""
-        chunks = sorted(self.receive(), key=lambda c: c[1])
-        if not chunks:  # no prompt of this DP rank in the request
-            empty = torch.zeros(0, self.last_width)
-            return RolloutOutput(empty.long(), empty, empty.clone()), self.last_version
-        return _join([c[0] for c in chunks], self.pad_id), min(c[3] for c in chunks)
 
     # ---- weights and the end ------------------------------------------------------------------
     def take_wait(self) -> float:
@@ -147,8 +143,10 @@ class RolloutClient:
 
     def stop(self) -> None:
         if self.owed is not None:
-            self.collect()
+            list(self.receive())
         self._send({"kind": "stop"})
+        with self._peer("the end of the run"):
+            self.spans += self.control.broadcast_object(None, self.world.rollout_leader)
 
 
 def _per_row(out: RolloutOutput) -> dict:
@@ -189,53 +187,91 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     from hybridrl.models.hf_config import spec_from_dict
     from hybridrl.placement.reshard import new_rollout_groups
     from hybridrl.rollout.agent_loop import AgentLoop
+    from hybridrl.timeline import Timeline
     from hybridrl.tokenizer import load_tokenizer
     from hybridrl.trainer.roles import build_rollout
 
     control = control_bridge(world)
     receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    with _talking_to("trainer", list(range(world.train_world_size)), "start-up"):
+    trainers = list(range(world.train_world_size))
+    with _talking_to("trainer", trainers, "start-up"):
         hello = control.broadcast_object(None, SENDER)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
     agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
+    server = _Server(control, world, engine, agent, groups, Timeline(world.rank, "rollout"))
     version = -1  # no weights yet
-    trainers = list(range(world.train_world_size))
     while True:
-        with _talking_to("trainer", trainers, "the wait for a request"):
+        with _talking_to("trainer", trainers, "the wait for a request"), server.timeline.span("wait_request"):
             msg = control.broadcast_object(None, SENDER)
         if msg["kind"] == "stop":
+            with _talking_to("trainer", trainers, "the end of the run"):
+                control.broadcast_object(server.gather_spans(), world.rollout_leader)
             return 0
         if msg["kind"] == "weights":
-            with _talking_to("trainer", trainers, "the weight sync"):
+            with _talking_to("trainer", trainers, "the weight sync"), server.timeline.span("update_weights"):
                 version = receiver.receive(engine)
             continue
         with _talking_to("trainer", trainers, "sending responses"):
-            _answer(control, world, engine, agent, groups, msg, version)
+            server.answer(msg, version)
 
 
-def _answer(control: Bridge, world: SplitWorld, engine, agent, groups, msg, version: int) -> None:
-    """Generate a request in chunks (each engine replica takes a contiguous share of a chunk) and send
-    each chunk to the trainers as it completes."""
-    prompts, seeds, sampling = msg["prompts"], msg["seeds"], msg["sampling"]
-    step = msg["stream"] or max(len(prompts), 1)
-    for lo in range(0, max(len(prompts), 1), step):
-        hi = min(lo + step, len(prompts))
-        share = _replica_share(lo, hi, groups)
-        run = agent.generate if agent is not None else None
-        ids, s = prompts[share[0]:share[1]], seeds[share[0]:share[1]]
-        out = run(engine, ids, sampling, s) if run is not None else engine.generate(ids, sampling, s)
+class _Server:
+    """Answers one `generate` request: chunk by chunk (each engine replica takes a contiguous share of
+    a chunk), each chunk sent from a thread as soon as it is complete, so generation never waits for
+    the trainers to take it. Spans of every rollout rank ride along with the answers."""
+
+    def __init__(self, control: Bridge, world: SplitWorld, engine, agent, groups, timeline):
+        self.control, self.world, self.engine, self.agent, self.groups = control, world, engine, agent, groups
+        self.timeline = timeline
+
+    def gather_spans(self):
+        spans = [(self.world.rank, *span) for span in self.timeline.spans]
+        self.timeline.clear()
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (share, out if groups.tp_rank == 0 else None))
-        if world.rank == world.rollout_leader:
-            outs = [o for (a, b), o in sorted((p for p in parts if p[1] is not None), key=lambda p: p[0][0])
-                    if b > a]
-            joined = _join(outs, engine.pad_id) if outs else out
-            msg_out = {"lo": lo, "hi": hi, "n": sampling.n, "out": joined, "version": version, "last": hi >= len(prompts)}
-        else:
-            msg_out = None
-        control.broadcast_object(msg_out, world.rollout_leader)
+        dist.all_gather_object(parts, spans)
+        return [x for part in parts for x in part] if self.world.rank == self.world.rollout_leader else None
+
+    def answer(self, msg, version: int) -> None:
+        prompts, seeds, sampling = msg["prompts"], msg["seeds"], msg["sampling"]
+        outbox, failed = queue.Queue(), []
+        sender = threading.Thread(target=self._send_all, args=(outbox, failed), daemon=True)
+        sender.start()
+        step = msg["stream"] or max(len(prompts), 1)
+        for lo in range(0, max(len(prompts), 1), step):
+            if failed:
+                break
+            hi = min(lo + step, len(prompts))
+            a, b = _replica_share(lo, hi, self.groups)
+            with self.timeline.span("gen"):
+                if self.agent is not None:
+                    out = self.agent.generate(self.engine, prompts[a:b], sampling, seeds[a:b])
+                else:
+                    out = self.engine.generate(prompts[a:b], sampling, seeds[a:b])
+            spans = [(self.world.rank, *span) for span in self.timeline.spans]
+            self.timeline.clear()
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, ((a, b), out if self.groups.tp_rank == 0 else None, spans))
+            if self.world.rank == self.world.rollout_leader:
+                outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
+                outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": version, "last": hi >= len(prompts),
+                            "out": _join(outs, self.engine.pad_id) if outs else out,
+                            "spans": [x for _, _, part in parts for x in part]})
+            else:
+                outbox.put(None)
+        outbox.put(StopIteration)
+        sender.join()
+        if failed:
+            raise failed[0]
+
+    def _send_all(self, outbox, failed) -> None:
+        while (msg := outbox.get()) is not StopIteration:
+            try:
+                self.control.broadcast_object(msg, self.world.rollout_leader)
+            except BaseException as err:  # re-raised on the main thread
+                failed.append(err)
+                return
 
 
 def _replica_share(lo: int, hi: int, groups) -> tuple[int, int]:
@@ -262,13 +298,26 @@ class Pipeline:
         """(model, version) whose weights still have to reach the engines."""
 
     def generate(self, ids: list, seeds: list, sampling: SamplingParams, key):
+        """(output of this rank's prompts, version that generated it)."""
+        chunks = list(self.stream(ids, seeds, sampling, key))
+        if not chunks:  # no prompt of this DP rank in the request
+            empty = torch.zeros(0, self.client.last_width)
+            return RolloutOutput(empty.long(), empty, empty.clone()), self.client.last_version
+        chunks.sort(key=lambda c: c[1])
+        return _join([c[0] for c in chunks], self.client.pad_id), min(c[3] for c in chunks)
+
+    def stream(self, ids: list, seeds: list, sampling: SamplingParams, key):
+        """(output, lo, hi, version) per chunk of this rank's prompts [lo, hi), in completion order:
+        held or in flight for `key`, else asked for now with the newest weights."""
         if key in self.held:
-            return self.held.pop(key)
-        if self.owed_key == key:
-            return self._receive()
-        self.drain()
-        self.flush()
-        return self.client.generate(ids, seeds, sampling)
+            yield from self.held.pop(key)
+            return
+        if self.owed_key != key:
+            self.drain()
+            self.flush()
+            self.client.submit(ids, seeds, sampling, key)
+        self.owed_key = None
+        yield from self.client.receive()
 
     def prefetch(self, ids: list, seeds: list, sampling: SamplingParams, key) -> None:
         """s = 1: weights of the last update out, then the next batch in flight; s = 0: nothing."""
@@ -297,13 +346,36 @@ class Pipeline:
     def drain(self) -> None:
         """Receive the answer in flight (kept for its step)."""
         if self.owed_key is not None:
-            key = self.owed_key
-            self.held[key] = self._receive()
-
-    def _receive(self):
-        self.owed_key = None
-        return self.client.collect()
+            key, self.owed_key = self.owed_key, None
+            self.held[key] = list(self.client.receive())
 
     def stop(self) -> None:
+        """Release the rollout ranks (once; the answer in flight is received first)."""
+        if self.client.control is None:
+            return
         self.drain()
         self.client.stop()
+        self.client.control = None
+
+
+def rollout_events(spans: list) -> list:
+    """Chrome-trace events of the rollout ranks' (global rank, phase, start, end) spans."""
+    from hybridrl.timeline import Timeline
+
+    tracks = {}
+    for rank, name, start, end in spans:
+        tracks.setdefault(rank, Timeline(rank, "rollout")).add(name, start, end)
+    return [e for tl in tracks.values() for e in tl.events()]
+
+
+def step_overlap(timeline, rollout_spans: list, window: tuple) -> float:
+    """Share of the window in which this trainer rank and some rollout rank both compute (waits excluded)."""
+    from hybridrl.timeline import overlap
+
+    lo = window[0]
+    mine = [e for e in timeline.events() if e["ph"] != "X" or (e["ts"] + e["dur"]) / 1e6 >= lo]
+    theirs = rollout_events([s for s in rollout_spans if s[3] >= lo])
+    ranks = {e["tid"] for e in theirs if e["ph"] == "X"}
+    if not ranks:
+        return 0.0
+    return overlap(mine + theirs, {"trainer": {timeline.rank}, "rollout": ranks}, (window[0] * 1e6, window[1] * 1e6))
