@@ -80,19 +80,21 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
-def read_scalars(folder: str) -> dict:
-    """{tag: {step: value}} from every TensorBoard event file under folder."""
+def read_scalars(folder: str, with_wall_time: bool = False):
+    """{tag: {step: value}} from every TensorBoard event file under folder; with_wall_time: also
+    {tag: {step: the event's wall time}} (seconds since the epoch, when the writer logged it)."""
     import glob
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = {}
+    out, wall = {}, {}
     for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
+            wall.setdefault(tag, {}).update({e.step: e.wall_time for e in acc.Scalars(tag)})
+    return (out, wall) if with_wall_time else out
 
 
 def profile_top(fn, n: int = 12, sort: str = "tottime") -> str:

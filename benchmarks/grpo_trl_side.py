@@ -2,11 +2,13 @@
 
     .venv-bench/bin/python benchmarks/grpo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR
 
-Prints one JSON line {"step_s": [...], "completion_len": [...], "generate_s": [...], "score_s": [...]}
-last: generate_s times `_generate_single_turn` (HF generate), score_s all of
-`_generate_and_score_completions` (generation, rewards, advantages); the rest of a step is training. Settings mirror the hybridrl
-side: 8 prompts x 4 samples x 32 new tokens per step, one AdamW step per generation (on-policy, so
-TRL skips the old-log-prob forward), fp32, no gradient checkpointing, no KL (beta 0), T=1.
+Prints one JSON line {"step_s": [...], "wall_s": [...], "completion_len": [...], "generate_s":
+[...], "score_s": [...]} last: step_s runs from on_step_begin to on_step_end, wall_s from one step's
+end to the next (the first from on_train_begin), so it holds the whole loop; generate_s times
+`_generate_single_turn` (HF generate), score_s all of `_generate_and_score_completions` (generation,
+rewards, advantages); the rest of a step is training. Settings mirror the hybridrl side: 8 prompts x
+4 samples x 32 new tokens per step, one AdamW step per generation (on-policy, so TRL skips the
+old-log-prob forward), fp32, no gradient checkpointing, no KL (beta 0), T=1.
 """
 import json
 import sys
@@ -26,13 +28,17 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
 
     class StepTimer(transformers.TrainerCallback):
         def __init__(self):
-            self.step_s, self.lengths, self._start = [], [], None
+            self.step_s, self.lengths, self._start, self.marks = [], [], None, []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
 
         def on_step_begin(self, args, state, control, **kw):
             self._start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             self.step_s.append(time.perf_counter() - self._start)
+            self.marks.append(time.perf_counter())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
@@ -55,7 +61,8 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     for attr, key in (("_generate_single_turn", "generate_s"), ("_generate_and_score_completions", "score_s")):
         setattr(trainer, attr, _timed(getattr(trainer, attr), parts[key]))
     trainer.train()
-    print(json.dumps({"step_s": timer.step_s, "completion_len": timer.lengths, **parts}))
+    wall_s = [b - a for a, b in zip(timer.marks, timer.marks[1:])]  # step end to step end: all of the loop
+    print(json.dumps({"step_s": timer.step_s, "wall_s": wall_s, "completion_len": timer.lengths, **parts}))
 
 
 def _timed(fn, sink: list):

@@ -2,9 +2,10 @@
 
     .venv-bench-trl100/bin/python benchmarks/ppo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR
 
-Prints one JSON line last: step_s, completion_len, and per step generate_s (`batch_generation`: HF
-generate), score_s (the no-grad forwards of the rollout phase: reference, value model, reward model)
-and train_s (the PPO epoch: policy and value forward/backward, AdamW). Settings mirror the hybridrl
+Prints one JSON line last: step_s (also as wall_s: from on_train_begin or one on_step_end to the
+next, all of the loop), completion_len, and per step generate_s (`batch_generation`: HF generate),
+score_s (the no-grad forwards of the rollout phase: reference, value model, reward model) and
+train_s (the PPO epoch: policy and value forward/backward, AdamW). Settings mirror the hybridrl
 side: 32 prompts x 1 sample x 32 new tokens, one PPO epoch of one mini-batch (one AdamW step), KL
 penalty k1 x 0.05 in the reward, GAE gamma 1 lam 0.95, clip 0.2, value clip 0.2, T=1, fp32, 2 threads.
 TRL's PPO needs a reward *model*: `DigitShareRewardModel` scores the share of digit characters in
@@ -110,7 +111,7 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     trainer.train()
     step_s = [b - a for a, b in zip(marks, marks[1:])]
     gen, score = parts["batch_generation"][:len(step_s)], parts["get_reward"][:len(step_s)]
-    print(json.dumps({"step_s": step_s, "completion_len": lengths[:len(step_s)], "generate_s": gen, "score_s": score,
+    print(json.dumps({"step_s": step_s, "wall_s": step_s, "completion_len": lengths[:len(step_s)], "generate_s": gen, "score_s": score,
                       "train_s": [s - g - r for s, g, r in zip(step_s, gen, score)]}))
 
 

@@ -37,22 +37,29 @@ def common_overrides(run_dir: str, steps: int) -> list:
             "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}/ckpt", f"trainer.log_dir={run_dir}/tb"]
 
 
-def _hybridrl_process(run_dir: str, steps: int, overrides: list, extra_env=None) -> str:
-    """Runs hybridrl_side.py once in a fresh run_dir; returns its stdout."""
+def _hybridrl_process(run_dir: str, steps: int, overrides: list, extra_env=None, nproc: int = 1) -> str:
+    """Runs hybridrl_side.py once in a fresh run_dir (under torchrun when nproc > 1); returns its stdout."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(bl.ROOT, "benchmarks", "hybridrl_side.py")]
+    e = dict(env(), **(extra_env or {}))
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                               f"--master_port={e['MASTER_PORT']}"] if nproc > 1 else [])
+    cmd.append(os.path.join(bl.ROOT, "benchmarks", "hybridrl_side.py"))
     proc = subprocess.run(cmd + common_overrides(run_dir, steps) + overrides, cwd=bl.ROOT,
-                          env=dict(env(), **(extra_env or {})), capture_output=True, text=True)
+                          env=e, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"hybridrl side failed:\n{proc.stderr[-3000:]}")
     return proc.stdout
 
 
-def run_hybridrl(run_dir: str, steps: int, overrides: list, stages) -> dict:
-    _hybridrl_process(run_dir, steps, overrides)
-    s = bl.read_scalars(os.path.join(run_dir, "tb"))
+def run_hybridrl(run_dir: str, steps: int, overrides: list, stages, extra_env=None, nproc: int = 1) -> dict:
+    """Steps 2..steps of one run: timing_s/step, and wall_s, the wall clock between the TensorBoard
+    events of consecutive steps (everything the loop does, data and logging included)."""
+    _hybridrl_process(run_dir, steps, overrides, extra_env, nproc)
+    s, wall = bl.read_scalars(os.path.join(run_dir, "tb"), with_wall_time=True)
     keep = range(2, steps + 1)
+    logged = wall["training/global_step"]
     return {"step_s": [s["timing_s/step"][i] for i in keep], "completion_len": [s["response_length/mean"][i] for i in keep],
+            "wall_s": [logged[i] - logged[i - 1] for i in keep], "logged_at": [logged[i] for i in range(1, steps + 1)],
             "stages": {k: [s[f"timing_s/{k}"][i] for i in keep] for k in stages if f"timing_s/{k}" in s}}
 
 

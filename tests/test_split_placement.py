@@ -206,3 +206,53 @@ def test_a_killed_rollout_rank_ends_the_job(tmp_path, how):
     if how != "torchrun":
         errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "rollout rank 1 died or stopped answering during" in errors[0], errors
+
+
+def _popen_torchrun(tmp, nproc, extra):
+    from dist_helper import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, extra)
+    os.makedirs(tmp, exist_ok=True)
+    return subprocess.Popen(cmd, stdout=open(tmp / "out.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+
+
+@pytest.mark.slow
+def test_resume_at_staleness_one_is_bit_exact(tmp_path):
+    """Killed after its step-3 checkpoint, a one-step off-policy run resumes with the batch that was in
+    flight (generated from step 2's weights) and continues exactly as the run that was never stopped."""
+    import signal
+    import time
+
+    common = SPLIT + ["async_training.staleness_threshold=1", "actor.optim.lr=5e-3", "trainer.save_freq=3"]
+    _torchrun(tmp_path / "full", 2, common + ["trainer.total_training_steps=6"])
+    run = _popen_torchrun(tmp_path / "cut", 2, common + ["trainer.total_training_steps=1000"])
+    published = tmp_path / "cut" / "ckpt" / "global_step_3" / "meta.json"
+    try:
+        deadline = time.monotonic() + 240
+        while not published.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert published.exists(), (tmp_path / "cut" / "out.log").read_text()[-3000:]
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    assert (tmp_path / "cut" / "ckpt" / "global_step_3" / "in_flight.pt").exists()
+    _torchrun(tmp_path / "cut", 2, common + ["trainer.total_training_steps=6"])
+    full, cut = read_scalars(tmp_path / "full"), read_scalars(tmp_path / "cut")
+    _assert_same_run(full, cut, (4, 5, 6), rel=0.0)
+    assert cut["rollout/staleness/mean"][4] == 1.0
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_placements(tmp_path):
+    """A split run's checkpoint resumes colocated, and a colocated one resumes split, at another world size."""
+    common = ["algorithm.adv_estimator=gae", "trainer.save_freq=2"]
+    _colocated(tmp_path / "reference", common + ["trainer.total_training_steps=4"])
+    reference = read_scalars(tmp_path / "reference")
+    _torchrun(tmp_path / "a", 2, common + SPLIT + ["trainer.total_training_steps=2"])
+    _colocated(tmp_path / "a", common + ["trainer.total_training_steps=4"])
+    _colocated(tmp_path / "b", common + ["trainer.total_training_steps=2"])
+    _torchrun(tmp_path / "b", 2, common + SPLIT + ["trainer.total_training_steps=4"])
+    for run in ("a", "b"):
+        _assert_same_run(reference, read_scalars(tmp_path / run), (3, 4))

@@ -39,9 +39,9 @@ class CheckpointWriter:
         self.folders = folders
         self.queue = AsyncCallsQueue() if async_save else None
 
-    def save(self, step: int, workers: Dict[str, object], meta: dict) -> None:
-        """Write `workers` ({"actor": ActorWorker, ...}) and `meta`; published now, or when the async
-        write is done."""
+    def save(self, step: int, workers: Dict[str, object], meta: dict, extra: Dict[str, object] | None = None) -> None:
+        """Write `workers` ({"actor": ActorWorker, ...}), `meta` and, from rank 0, `extra` ({file name:
+        object for torch.save}); published now, or when the async write is done."""
         self.finalize()
         rank, tmp = dist.get_rank(), self.folders.step_dir(step) + PARTIAL
         if rank == 0:
@@ -50,6 +50,9 @@ class CheckpointWriter:
                 os.makedirs(os.path.join(tmp, sub))
         dist.barrier()
         torch.save(rng_state(), _rng_file(tmp, rank))
+        for name, obj in (extra or {}).items():
+            if rank == 0 and obj is not None:
+                torch.save(obj, os.path.join(tmp, name))
         is_async = self.queue is not None
         requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
         publish = functools.partial(self._publish, step, dict(meta, roles=sorted(workers)))

@@ -141,6 +141,9 @@ def split_ranks(cfg: Config, world_size: int) -> int:
              "async_training.staleness_threshold > 0 they come from weights one version older than the policy "
              "being trained; set bypass_mode=false (the trainer computes them; actor.rollout_is_threshold "
              "corrects the mismatch)")
+    _require(not (a.staleness_threshold and cfg.algorithm.filter_groups.enable),
+             "algorithm.filter_groups generates more batches on demand, which async_training.staleness_threshold=1 "
+             "cannot prefetch; set staleness_threshold=0 or disable filter_groups")
     _require(not (a.stream_prompts and (cfg.algorithm.filter_groups.enable or cfg.algorithm.adv_estimator == "remax")),
              "async_training.stream_prompts > 0 scores each chunk as it arrives, but algorithm.filter_groups and "
              "adv_estimator=remax generate more for the whole batch; set async_training.stream_prompts=0")

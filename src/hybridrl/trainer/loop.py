@@ -53,12 +53,17 @@ def _layout(groups) -> dict:
     return {"tp": groups.tp, "pp": groups.pp, "dp": groups.dp}
 
 
-def _save(saver: CheckpointWriter, trainer, loader, step: int) -> None:
+IN_FLIGHT = "in_flight.pt"
+"""Split placement at staleness 1: the next step's batch, generated but not trained when the checkpoint was taken."""
+
+
+def _save(saver: CheckpointWriter, trainer, data_state: dict, step: int) -> None:
     from hybridrl.models.hf_config import load_hf_config
 
-    meta = {"data": loader.state_dict(), "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
+    meta = {"data": data_state, "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
             "hf_config": load_hf_config(trainer.roles.hf_folder)}
-    saver.save(step, _checkpointed_roles(trainer.roles), meta)
+    in_flight = trainer.remote.in_flight() if trainer.remote is not None else None
+    saver.save(step, _checkpointed_roles(trainer.roles), meta, {IN_FLIGHT: in_flight})
 
 
 def _profile_line(step: int, m: dict) -> str:
@@ -193,6 +198,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     upcoming = None  # staleness 1: the next step's prompts, generated while this step trains
     for step in range(start + 1, total + 1):
         prompts = upcoming if upcoming is not None else next(batches)
+        data_state = train_loader.state_dict()  # a resume starts with the next step's prompts
         upcoming = next(batches) if ahead and step < total else None
         try:
             metrics = trainer.train_step(prompts, step, next_prompts=lambda: next(batches),
@@ -216,7 +222,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         saver.poll()
         if tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total):
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
-            _save(saver, trainer, train_loader, step)
+            _save(saver, trainer, data_state, step)
         bar.update(1)
     saver.finalize()
     bar.close()
@@ -262,6 +268,10 @@ def _resume(trainer, path, loader) -> int:
     meta = load_checkpoint(path, _checkpointed_roles(trainer.roles), _layout(trainer.groups))
     loader.load_state_dict(meta["data"])
     trainer.kl_ctrl.value = meta["kl_coef"]
+    trainer.version = int(meta["step"])
+    in_flight = os.path.join(path, IN_FLIGHT)
+    if trainer.remote is not None and trainer.cfg.async_training.staleness_threshold and os.path.isfile(in_flight):
+        trainer.remote.restore(torch.load(in_flight, weights_only=False))  # generated one version behind
     trainer.sync_rollout_weights()
     print0(f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])

@@ -95,8 +95,10 @@ class RolloutClient:
         request (e.g. ("train", step)) for `result`."""
         assert self.owed is None, "one request at a time: receive the owed answer first"
         parts = [None] * self.groups.dp
-        dist.all_gather_object(parts, (prompt_ids, seeds), group=self.groups.dp_group)
+        dist.all_gather_object(parts, (prompt_ids, seeds, key), group=self.groups.dp_group)
         counts = [len(p[0]) for p in parts]
+        self.answer = ([i for p in parts for i in (p[2][1] if p[2] else ())], [])
+        """(global prompt indices, every message) of the last request: what a checkpoint keeps of it."""
         self._send({"kind": "generate", "prompts": [x for p in parts for x in p[0]],
                     "seeds": [s for p in parts for s in p[1]], "sampling": sampling,
                     "multi_turn": self.cfg.rollout.multi_turn.enable,
@@ -109,7 +111,6 @@ class RolloutClient:
         counts, key = self.owed
         self.owed = None
         lo_rank = sum(counts[:self.groups.dp_rank])
-        hi_rank = lo_rank + counts[self.groups.dp_rank]
         while True:
             start = time.perf_counter()
             with self._peer("generation (waiting for responses)"):
@@ -117,17 +118,13 @@ class RolloutClient:
             self.wait_s += time.perf_counter() - start
             if self.on_wait is not None:
                 self.on_wait(start, time.perf_counter())
+            self.spans += msg.pop("spans")
+            self.answer[1].append(msg)
             self.last_version, self.last_width = msg["version"], msg["out"].responses.shape[1]
-            self.spans += msg["spans"]
-            lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
-            if lo < hi:
-                n = msg["n"]
-                rows = slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n)
-                yield _rows(msg["out"], rows), lo - lo_rank, hi - lo_rank, msg["version"]
+            yield from my_rows(msg, lo_rank, lo_rank + counts[self.groups.dp_rank])
             if msg["last"]:
                 return
 
-    # ---- weights and the end ------------------------------------------------------------------
     def take_wait(self) -> float:
         """Seconds spent waiting for answers since the last call."""
         wait, self.wait_s = self.wait_s, 0.0
@@ -147,6 +144,16 @@ class RolloutClient:
         self._send({"kind": "stop"})
         with self._peer("the end of the run"):
             self.spans += self.control.broadcast_object(None, self.world.rollout_leader)
+
+
+def my_rows(msg: dict, lo_rank: int, hi_rank: int):
+    """The part of one answer chunk (prompts [msg lo, msg hi) of the request) that falls in this rank's
+    prompts [lo_rank, hi_rank), as (output, lo, hi, version) with lo/hi relative to the rank's prompts."""
+    lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
+    if lo < hi:
+        n = msg["n"]
+        yield _rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n)), lo - lo_rank, hi - lo_rank, \
+            msg["version"]
 
 
 def _per_row(out: RolloutOutput) -> dict:
@@ -296,6 +303,9 @@ class Pipeline:
         self.owed_key = None
         self.pending = None
         """(model, version) whose weights still have to reach the engines."""
+        self.saved_answer = None
+        self.restored = None
+        """A checkpoint's in-flight batch, until its step asks for it."""
 
     def generate(self, ids: list, seeds: list, sampling: SamplingParams, key):
         """(output of this rank's prompts, version that generated it)."""
@@ -311,6 +321,10 @@ class Pipeline:
         held or in flight for `key`, else asked for now with the newest weights."""
         if key in self.held:
             yield from self.held.pop(key)
+            return
+        restored = self._restored(key) if self.restored is not None else None
+        if restored is not None:
+            yield from restored
             return
         if self.owed_key != key:
             self.drain()
@@ -348,6 +362,33 @@ class Pipeline:
         if self.owed_key is not None:
             key, self.owed_key = self.owed_key, None
             self.held[key] = list(self.client.receive())
+            self.saved_answer = (key, *self.client.answer)
+
+    def in_flight(self) -> dict | None:
+        """The next step's batch, generated and not yet trained (received first if still in flight), as a
+        checkpoint keeps it: whole answer messages and the global prompt order, valid at any DP layout."""
+        self.drain()
+        if self.saved_answer is None or self.saved_answer[0] not in self.held:
+            return None
+        key, indices, messages = self.saved_answer
+        return {"step": key[0], "indices": indices, "messages": messages}
+
+    def restore(self, state: dict) -> None:
+        """Hold a checkpoint's in-flight batch for its step; each rank takes the rows of its own prompts."""
+        self.restored = state
+
+    def _restored(self, key):
+        """This rank's chunks of a restored in-flight batch, when `key` asks for it (else None)."""
+        state, self.restored = self.restored, None
+        if state is None or state["step"] != key[0]:
+            return None
+        mine = list(key[1])
+        where = {i: p for p, i in enumerate(state["indices"])}
+        lo = where[mine[0]] if mine else 0
+        if [where.get(i) for i in mine] != list(range(lo, lo + len(mine))):
+            raise RuntimeError(f"the saved in-flight batch of step {state['step']} holds other prompts than the "
+                               "data loader gives this rank; resume with the same data.* settings")
+        return [c for msg in state["messages"] for c in my_rows(msg, lo, lo + len(mine))]
 
     def stop(self) -> None:
         """Release the rollout ranks (once; the answer in flight is received first)."""

@@ -1,0 +1,230 @@
+"""Split placement vs colocated vs TRL: wall seconds per step on the same model, batch and 2 cores.
+
+GRPO on the setup of bench_grpo_vs_trl.py, PPO on that of bench_ppo_vs_trl.py. Sides, run in
+alternation A B C D per round: colocated (1 process, 2 threads), split s=0 (torchrun: 1 trainer
+rank + 1 rollout rank, 1 thread each), split s=1 + stream m (the same, staleness 1 and
+stream_prompts m), and TRL (2 threads, as the benches run it). A step is the wall clock between
+consecutive steps: hybridrl's TensorBoard events of consecutive steps (wall_time), TRL's
+consecutive on_step_end; steps 2..--steps of every run. Split runs also report, from their
+timeline.json over the same window, the overlap of the two roles and each role's busy share.
+
+    .venv/bin/python benchmarks/bench_split.py [--algos grpo,ppo] [--rounds 3] [--steps 8] [--no-trl]
+    .venv/bin/python benchmarks/bench_split.py --picture docs/timeline.png [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import benchlib as bl
+import trl_compare as tc
+from bench_grpo_vs_trl import GRPO
+from bench_ppo_vs_trl import PPO
+from hybridrl.timeline import busy_share, overlap, read_trace, role_groups
+
+SPLIT = ("placement.mode=split", "placement.rollout_world_size=1")
+BYPASS = "algorithm.rollout_correction.bypass_mode=true"  # PPO bench: not allowed at staleness 1
+STAGES = ("gen", "wait_rollout", "old_log_prob", "ref", "update_critic", "update_actor", "update_weights")
+
+
+def sides(c: tc.Comparison, stream: int) -> list:
+    """(label, processes, threads per process, overrides) of the hybridrl sides."""
+    base = list(c.overrides)
+    async_ = [o for o in base if o != BYPASS] + list(SPLIT)
+    async_ += ["async_training.staleness_threshold=1", f"async_training.stream_prompts={stream}"]
+    return [("colocated", 1, 2, base), ("split s=0", 2, 1, base + list(SPLIT)),
+            (f"split s=1 + stream {stream}", 2, 1, async_)]
+
+
+# ---- machine state ----------------------------------------------------------------------------
+
+def load1() -> float:
+    return float(open("/proc/loadavg").read().split()[0])
+
+
+def others_running() -> list:
+    return [p for p in ("demo_sweep", "pytest") if subprocess.run(["pgrep", "-f", p], capture_output=True).stdout]
+
+
+def wait_quiet(limit_s: float = 2400, poll_s: float = 30, threshold: float = 0.7) -> str:
+    """Wait until no demo sweep or pytest runs and the 1-minute load is < threshold (at most limit_s)."""
+    start = time.time()
+    while others_running() or load1() >= threshold:
+        if time.time() - start > limit_s:
+            return f"gave up waiting after {limit_s / 60:.0f} min: load {load1():.2f}, running {others_running()}"
+        time.sleep(poll_s)
+    return f"quiet after {(time.time() - start) / 60:.1f} min of waiting (load {load1():.2f})"
+
+
+def _busy_s() -> float:
+    user, nice, system, _idle, _io, irq, softirq, steal = map(int, open("/proc/stat").readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def observed(fn):
+    """fn() with the machine around it: 1-minute load before, other processes' CPU (cores) during."""
+    load, busy, own, start, others = load1(), _busy_s(), _own_s(), time.time(), others_running()
+    out = fn()
+    foreign = (_busy_s() - busy) - (_own_s() - own)
+    return dict(out, load=load, foreign=max(foreign, 0.0) / (time.time() - start), others=others)
+
+
+# ---- runs -------------------------------------------------------------------------------------
+
+def hybridrl_run(nproc, threads, overrides, run_dir, steps) -> dict:
+    tl_dir = os.path.join(run_dir, "timeline")
+    out = tc.run_hybridrl(run_dir, steps, overrides + [f"trainer.timeline_dir={tl_dir}"], STAGES + ("step",),
+                          {"OMP_NUM_THREADS": str(threads)}, nproc)
+    s = bl.read_scalars(os.path.join(run_dir, "tb"))
+    events = read_trace(os.path.join(tl_dir, "timeline.json"))
+    window = (out["logged_at"][0] * 1e6, out["logged_at"][-1] * 1e6)  # steps 2..N
+    groups = role_groups(events)
+    out["busy"] = {role: busy_share(events, ranks, window) for role, ranks in groups.items()}
+    out["overlap"] = overlap(events, groups, window) if len(groups) > 1 else None
+    out["tb_overlap"] = [s["perf/overlap"][i] for i in range(2, steps + 1) if i in s.get("perf/overlap", {})]
+    out["staleness"] = [s["rollout/staleness/mean"][i] for i in range(2, steps + 1) if "rollout/staleness/mean" in s]
+    return out
+
+
+def trl_run(c, trl_python, run_dir, steps) -> dict:
+    args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), tc.prompts_json(), run_dir, steps, c.lr]
+    out = tc.run_trl(trl_python, c.trl_script, args, {"wall_s": "wall"})
+    return dict(out, wall_s=out["stages"]["wall"])
+
+
+def rounds(c, args, stream: int, trl_python) -> list:
+    """[{side label: run}] per round, the sides in the same order every round."""
+    out = []
+    for i in range(args.rounds):
+        row = {}
+        for label, nproc, threads, overrides in sides(c, stream):
+            run_dir = os.path.join(bl.WORK, f"split_{c.name}_{label.replace(' ', '_').replace('=', '')}_{i}")
+            row[label] = observed(lambda: hybridrl_run(nproc, threads, overrides, run_dir, args.steps))
+        if trl_python:
+            row["TRL"] = observed(lambda: trl_run(c, trl_python, os.path.join(bl.WORK, f"split_{c.name}_trl_{i}"),
+                                                  args.steps))
+        print(f"{c.name} round {i + 1}: " + ", ".join(f"{k} {bl.median(v['wall_s']):.3f} s (load {v['load']:.2f})"
+                                                       for k, v in row.items()), flush=True)
+        out.append(row)
+    return out
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def summary(runs: list) -> dict:
+    """Per side: pooled median of wall_s, per-round medians, and the means of the split figures."""
+    out = {}
+    for label in runs[0]:
+        rs = [r[label] for r in runs]
+        per_round = [bl.median(r["wall_s"]) for r in rs]
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        out[label] = {"median": bl.median([x for r in rs for x in r["wall_s"]]), "rounds": per_round,
+                      "internal": bl.median([x for r in rs for x in r.get("step_s", [])]) if "busy" in rs[0] else None,
+                      "overlap": mean([r["overlap"] for r in rs if r.get("overlap") is not None]),
+                      "tb_overlap": mean([x for r in rs for x in r.get("tb_overlap", [])]),
+                      "trainer": mean([r["busy"]["trainer"] for r in rs if "busy" in r]),
+                      "rollout": mean([r["busy"]["rollout"] for r in rs if "rollout" in r.get("busy", {})]),
+                      "loads": [r["load"] for r in rs], "foreign": max(r["foreign"] for r in rs),
+                      "stages": {k: bl.median([x for r in rs for x in r["stages"].get(k, [])])
+                                 for k in STAGES if rs[0]["stages"].get(k)} if "busy" in rs[0] else {}}
+    return out
+
+
+def section(c, runs, args, stamp: dict) -> str:
+    s = summary(runs)
+    colo, trl = s["colocated"]["median"], s["TRL"]["median"] if "TRL" in s else None
+    rows = []
+    for label, v in s.items():
+        rows.append([label, f"**{v['median']:.3f}** [{min(v['rounds']):.3f}-{max(v['rounds']):.3f}]",
+                     f"{v['median'] / colo:.2f}x", f"{v['median'] / trl:.2f}x" if trl else "-",
+                     f"{v['internal']:.3f}" if v["internal"] else "-", _pct(v["overlap"]), _pct(v["tb_overlap"]),
+                     _pct(v["trainer"]), _pct(v["rollout"]),
+                     f"{min(v['loads']):.2f}-{max(v['loads']):.2f}", f"{v['foreign']:.2f}",
+                     stamp["commit"], stamp["date"]])
+    table = bl.table(["side", "wall s/step median [round medians]", "/ colocated", "/ TRL", "timing_s/step",
+                      "overlap (timeline)", "perf/overlap", "trainer busy", "rollout busy", "load 1-min before",
+                      "other CPU (cores)", "commit", "date"], rows)
+    stage_rows = [[label, k, f"{x:.3f}"] for label, v in s.items() for k, x in v["stages"].items()]
+    best = min((v["median"], k) for k, v in s.items() if k.startswith("split"))
+    verdicts = [f"split <= 0.6x colocated: best split side ({best[1]}) **{best[0] / colo:.2f}x** "
+                f"({'met' if best[0] / colo <= 0.6 else 'missed'})"]
+    if trl:
+        fastest = min((v["median"], k) for k, v in s.items() if k != "TRL")
+        verdicts.append(f"<= 0.5x TRL: best hybridrl side ({fastest[1]}) **{fastest[0] / trl:.2f}x** "
+                        f"({'met' if fastest[0] / trl <= 0.5 else 'missed'})")
+    ov = [(v["overlap"], k) for k, v in s.items() if v["overlap"] is not None]
+    verdicts += [f"overlap > 85% ({k}): **{_pct(o)}** ({'met' if o > 0.85 else 'missed'})" for o, k in ov]
+    return (f"### {c.name.upper()} ({c.setup})\n\n{table}\n\n" + "; ".join(verdicts) + ".\n\n"
+            f"<details><summary>{c.name.upper()} stage medians of the hybridrl sides (timing_s/*, trainer rank)"
+            f"</summary>\n\n" + bl.table(["side", "stage", "s"], stage_rows) + "\n\n</details>")
+
+
+def picture(png: str, steps: int, stream: int) -> None:
+    """A short colocated run and a short split s=1 + stream run of the GRPO setup, drawn one above the other."""
+    folder, traces = "/tmp/hybridrl_timeline", []
+    for label, nproc, threads, overrides in (sides(GRPO, stream)[0], sides(GRPO, stream)[2]):
+        name = "colocated" if nproc == 1 else f"split_s1_stream{stream}"
+        run_dir = os.path.join(folder, name)
+        tc.run_hybridrl(run_dir, steps, overrides + [f"trainer.timeline_dir={run_dir}"], (),
+                        {"OMP_NUM_THREADS": str(threads)}, nproc)
+        traces.append(os.path.join(folder, f"{name}.json"))
+        shutil.copy(os.path.join(run_dir, "timeline.json"), traces[-1])  # the file name titles its panel
+    cmd = [sys.executable, os.path.join(bl.ROOT, "scripts", "plot_timeline.py"), *traces, "-o", png]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=bl.ROOT)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--algos", default="grpo,ppo")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--stream-grpo", type=int, default=2, help="prompts per chunk (GRPO: 2 prompts = 8 rows)")
+    p.add_argument("--stream-ppo", type=int, default=8, help="prompts per chunk (PPO: 8 prompts = 8 rows)")
+    p.add_argument("--no-trl", action="store_true", help="hybridrl sides only")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
+    p.add_argument("--picture", help="draw docs/timeline.png instead of timing")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    if args.picture:
+        return picture(args.picture, args.steps, args.stream_grpo)
+    quiet = "not waited for (--no-wait)" if args.no_wait else wait_quiet()
+    print(quiet, flush=True)
+    commit = subprocess.run(["git", "-C", bl.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", bl.ROOT, "status", "--porcelain", "src"], capture_output=True, text=True)
+    stamp = {"commit": commit.stdout.strip() + ("+dirty src" if dirty.stdout.strip() else ""),
+             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    parts = []
+    for c, stream in ((GRPO, args.stream_grpo), (PPO, args.stream_ppo)):
+        if c.name in args.algos.split(","):
+            trl_python = None if args.no_trl else os.path.join(bl.ROOT, c.trl_venv, "bin", "python")
+            if trl_python and not os.path.exists(trl_python):
+                print(f"no {trl_python}: {c.name} runs without its TRL side", flush=True)
+                trl_python = None
+            parts.append(section(c, rounds(c, args, stream, trl_python), args, stamp))
+    text = ("## Split placement: split vs colocated vs TRL\n\n"
+            f"Wall seconds per step (consecutive steps' log events; steps 2..{args.steps} of each run; {args.rounds} "
+            "rounds of the sides in the order listed), same model, batch and 2 cores for every side. "
+            f"Machine before the first run: {quiet}; `other CPU` is what other processes used during a run "
+            "(cores, the worst run of the side).\n\n" + "\n\n".join(parts))
+    print(text)
+    if not args.no_write:
+        bl.write_section("split", text)
+
+
+if __name__ == "__main__":
+    main()
