@@ -4,7 +4,11 @@
 #
 #   mkdir -p logs && sbatch --nodes=4 slurm/ppo.sh configs/qwen2_72b.yaml [key=value ...]
 #
-# Check the layout first: python scripts/plan_layout.py --config CONFIG --nodes N.
+# Split placement (rollout on whole nodes of its own, e.g. 1 of 4): ROLLOUT_NODES=1 sbatch --nodes=4 ...,
+# which adds placement.mode=split placement.rollout_world_size=<ROLLOUT_NODES x GPUs per node>; torchrun
+# numbers each node's GPUs consecutively, so the last ranks are whole nodes. Add
+# async_training.staleness_threshold=1 for one-step off-policy training.
+# Check the layout first: python scripts/plan_layout.py --config CONFIG --nodes N [--placement auto].
 # Activate the Python environment before sbatch (SLURM exports it). Logs, TensorBoard events and
 # checkpoints go to per-job folders; resume a job with trainer.default_local_dir=checkpoints/<old id>.
 #SBATCH --job-name=hybridrl-ppo
@@ -37,6 +41,16 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1   # megatron: keeps TP communication ordere
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}   # CPU threads per rank (cpus-per-task / GPUs)
 export PYTHONUNBUFFERED=1              # log lines reach logs/%x-%j.out as they happen
 
+PLACEMENT=()
+ROLLOUT_NODES=${ROLLOUT_NODES:-0}
+if [ "$ROLLOUT_NODES" -gt 0 ]; then
+    if [ "$ROLLOUT_NODES" -ge "$SLURM_NNODES" ]; then
+        echo "error: ROLLOUT_NODES=$ROLLOUT_NODES leaves no node to train on $SLURM_NNODES node(s); ask for more nodes" >&2
+        exit 2
+    fi
+    PLACEMENT=(placement.mode=split "placement.rollout_world_size=$((ROLLOUT_NODES * GPUS_PER_NODE))")
+fi
+
 mkdir -p logs "runs/$SLURM_JOB_ID" "checkpoints/$SLURM_JOB_ID"
 echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $GPUS_PER_NODE GPUs, head $HEAD_NODE:$RDZV_PORT, config $CONFIG"
 
@@ -46,4 +60,4 @@ srun --kill-on-bad-exit=1 torchrun \
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
     scripts/train_ppo.py --config "$CONFIG" \
     trainer.log_dir="runs/$SLURM_JOB_ID" trainer.default_local_dir="checkpoints/$SLURM_JOB_ID" \
-    "$@"
+    "${PLACEMENT[@]}" "$@"

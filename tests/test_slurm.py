@@ -95,3 +95,23 @@ def test_missing_config_argument_fails_with_usage(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "slurm", "ppo.sh")], env=env, capture_output=True,
                           text=True, cwd=tmp_path, timeout=30)
     assert proc.returncode != 0 and "usage: sbatch" in proc.stderr
+
+
+def test_split_placement_on_whole_nodes(tmp_path):
+    """ROLLOUT_NODES=1 on 2 nodes of 8 GPUs: the last 8 ranks (the second node) generate; overrides still win."""
+    srun, _, _ = _run(tmp_path, "slurm/ppo.sh", ["configs/qwen2_7b.yaml", "async_training.staleness_threshold=1"],
+                      ROLLOUT_NODES="1")
+    line = _torchrun(srun)
+    assert line[-3:] == ["placement.mode=split", "placement.rollout_world_size=8",
+                         "async_training.staleness_threshold=1"]
+
+
+def test_split_placement_needs_a_training_node(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_NODELIST="n1", SLURM_JOB_ID="1", SLURM_NNODES="1", ROLLOUT_NODES="1",
+               PATH=f"{tmp_path}:{env['PATH']}")
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho n1\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "slurm", "ppo.sh"), "configs/qwen2_7b.yaml"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2 and "ROLLOUT_NODES=1 leaves no node to train" in proc.stderr
