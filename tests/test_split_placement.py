@@ -118,6 +118,10 @@ BAD = [
     (["async_training.staleness_threshold=1"], 1, "placement.mode=split"),
     (["placement.mode=split"], 2, "rollout_world_size=k > 0"),
     (["placement.rollout_world_size=1"], 2, "only apply with placement.mode=split"),
+    (SPLIT + ["placement.critic_world_size=1", "algorithm.adv_estimator=gae"], 2, "leave no rank to train the actor"),
+    (SPLIT + ["placement.critic_world_size=1"], 3, "trains no critic"),
+    (SPLIT + ["placement.critic_world_size=1", "algorithm.adv_estimator=gae", "critic.tensor_model_parallel_size=2"], 3,
+     "is not divisible by critic.tensor_model_parallel_size"),
 ]
 
 
@@ -256,3 +260,19 @@ def test_checkpoints_cross_placements(tmp_path):
     _torchrun(tmp_path / "b", 2, common + SPLIT + ["trainer.total_training_steps=4"])
     for run in ("a", "b"):
         _assert_same_run(reference, read_scalars(tmp_path / run), (3, 4))
+
+
+@pytest.mark.slow
+def test_a_critic_of_its_own(tmp_path):
+    """PPO with the critic on 2 ranks of its own at TP 2 (values pass and update beside the actor's):
+    the colocated step; its checkpoint (critic part written by the critic ranks) resumes colocated."""
+    common = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2"]
+    _colocated(tmp_path / "reference", common + ["trainer.total_training_steps=3"])
+    _torchrun(tmp_path / "split", 4, common + SPLIT + [
+        "placement.critic_world_size=2", "critic.tensor_model_parallel_size=2", "trainer.total_training_steps=2",
+        "trainer.save_freq=2"])
+    reference, split = read_scalars(tmp_path / "reference"), read_scalars(tmp_path / "split")
+    _assert_same_run(reference, split, (1, 2))
+    assert (tmp_path / "split" / "ckpt" / "global_step_2" / "critic").is_dir()
+    _colocated(tmp_path / "split", common + ["trainer.total_training_steps=3"])
+    _assert_same_run(reference, read_scalars(tmp_path / "split"), (3,))

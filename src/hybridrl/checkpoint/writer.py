@@ -39,23 +39,29 @@ class CheckpointWriter:
         self.folders = folders
         self.queue = AsyncCallsQueue() if async_save else None
 
-    def save(self, step: int, workers: Dict[str, object], meta: dict, extra: Dict[str, object] | None = None) -> None:
+    def save(self, step: int, workers: Dict[str, object], meta: dict, extra: Dict[str, object] | None = None,
+             others: Dict[str, object] | None = None) -> None:
         """Write `workers` ({"actor": ActorWorker, ...}), `meta` and, from rank 0, `extra` ({file name:
-        object for torch.save}); published now, or when the async write is done."""
+        object for torch.save}); `others` ({role: save(folder)}) are roles that other ranks write (a
+        critic of its own), called before this world's writes. Published now, or when the async write
+        is done."""
+        others = others or {}
         self.finalize()
         rank, tmp = dist.get_rank(), self.folders.step_dir(step) + PARTIAL
         if rank == 0:
             self.folders.prepare(step)
-            for sub in (*workers, RNG_DIR):
+            for sub in (*workers, *others, RNG_DIR):
                 os.makedirs(os.path.join(tmp, sub))
         dist.barrier()
+        for role, save in others.items():
+            save(os.path.join(tmp, role))
         torch.save(rng_state(), _rng_file(tmp, rank))
         for name, obj in (extra or {}).items():
             if rank == 0 and obj is not None:
                 torch.save(obj, os.path.join(tmp, name))
         is_async = self.queue is not None
         requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
-        publish = functools.partial(self._publish, step, dict(meta, roles=sorted(workers)))
+        publish = functools.partial(self._publish, step, dict(meta, roles=sorted([*workers, *others])))
         if not is_async:
             publish()
             return

@@ -56,6 +56,12 @@ class Layout:
     critic_mini_batch_samples: int
     rollout_world_size: int = 0
     """Split placement: the last this-many ranks only generate; 0 when colocated."""
+    critic_world_size: int = 0
+    """Split placement: ranks that train only the critic (just before the rollout ranks); 0: with the actor."""
+    critic_tp: int = 0
+    critic_pp: int = 0
+    critic_dp: int = 0
+    """The critic's own TP / PP / DP when it has ranks of its own."""
 
     @property
     def split(self) -> bool:
@@ -63,12 +69,15 @@ class Layout:
 
     @property
     def train_world_size(self) -> int:
-        """Ranks that train (tp * pp * dp of them)."""
-        return self.world_size - self.rollout_world_size
+        """Ranks that train the actor (tp * pp * dp of them)."""
+        return self.world_size - self.rollout_world_size - self.critic_world_size
 
     def describe(self) -> str:
-        where = (f"split: ranks 0-{self.train_world_size - 1} train, {self.train_world_size}-{self.world_size - 1} "
-                 f"generate ({self.rollout_world_size // self.rollout_tp} engines) " if self.split else "")
+        t, c = self.train_world_size, self.critic_world_size
+        critic = (f"{t}-{t + c - 1} train the critic (tp={self.critic_tp} pp={self.critic_pp} dp={self.critic_dp}), "
+                  if c else "")
+        where = (f"split: ranks 0-{t - 1} train, {critic}{t + c}-{self.world_size - 1} generate "
+                 f"({self.rollout_world_size // self.rollout_tp} engines) " if self.split else "")
         return (f"{where}world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} rollout_tp={self.rollout_tp} "
                 f"samples/step={self.samples_per_step} ({self.samples_per_step_per_dp} per DP rank)")
 
@@ -127,9 +136,12 @@ def split_ranks(cfg: Config, world_size: int) -> int:
                              f"choose k <= {world_size - 1}")
     _require(k % rtp == 0, f"placement.rollout_world_size={k} is not a multiple of rollout.tensor_model_parallel_size="
                            f"{rtp}; each rollout TP group is one engine: choose k as a multiple of {rtp}")
-    _require(p.critic_world_size == 0,
-             "placement.critic_world_size > 0 (a critic on ranks of its own) is not built yet; leave it 0: the "
-             "critic trains on the actor's ranks")
+    _require(k + p.critic_world_size < world_size,
+             f"placement.rollout_world_size={k} + placement.critic_world_size={p.critic_world_size} leave no rank to "
+             f"train the actor in a world of {world_size}; make them smaller")
+    _require(p.critic_world_size == 0 or cfg.algorithm.uses_critic,
+             f"placement.critic_world_size={p.critic_world_size} but algorithm.adv_estimator="
+             f"{cfg.algorithm.adv_estimator} trains no critic; set it to 0 or use adv_estimator=gae")
     _require(cfg.rollout.name == "native",
              "placement.mode=split streams weights into the native engine; set rollout.name=native (vLLM runs "
              "colocated)")
@@ -150,10 +162,25 @@ def split_ranks(cfg: Config, world_size: int) -> int:
     return k
 
 
+def critic_sizes(cfg: Config, dims: ModelDims) -> tuple[int, int, int]:
+    """(tp, pp, dp) of a critic on placement.critic_world_size ranks of its own; zeros without one."""
+    c = cfg.placement.critic_world_size
+    if not c:
+        return 0, 0, 0
+    tp, pp = cfg.critic.tensor_model_parallel_size, cfg.critic.pipeline_model_parallel_size
+    _require(c % (tp * pp) == 0, f"placement.critic_world_size={c} is not divisible by critic.tensor_model_parallel_size "
+                                 f"({tp}) * critic.pipeline_model_parallel_size ({pp}); make it a multiple of {tp * pp}")
+    _require(dims.num_attention_heads % tp == 0 and dims.num_key_value_heads % tp == 0 and dims.num_layers % pp == 0,
+             f"critic.tensor_model_parallel_size={tp} / pipeline_model_parallel_size={pp} must divide the heads "
+             f"({dims.num_attention_heads}/{dims.num_key_value_heads}) and layers ({dims.num_layers})")
+    return tp, pp, c // (tp * pp)
+
+
 def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missing_path: bool = False) -> Layout:
     dims = model_dims(cfg.model, vocab_size, allow_missing_path)
     k = split_ranks(cfg, world_size)
-    tp, pp, dp = model_parallel_sizes(cfg, world_size - k, dims)
+    ctp, cpp, cdp = critic_sizes(cfg, dims)
+    tp, pp, dp = model_parallel_sizes(cfg, world_size - k - cfg.placement.critic_world_size, dims)
     rtp = cfg.rollout.tensor_model_parallel_size
     engine_world = k or world_size
     _require(engine_world % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
@@ -173,6 +200,9 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     critic_mb = actor_mb
     if cfg.algorithm.uses_critic:
         critic_mb = _check_mini_batches("critic", cfg.critic.ppo_mini_batch_size,
-                                        cfg.critic.ppo_micro_batch_size_per_gpu, cfg, dp,
+                                        cfg.critic.ppo_micro_batch_size_per_gpu, cfg, cdp or dp,
                                         batching.critic_update.dynamic)
-    return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb, k)
+    _require(not cdp or samples % cdp == 0, f"data.train_batch_size * rollout.n = {samples} is not divisible by the "
+                                            f"critic's dp={cdp}; change placement.critic_world_size or the batch")
+    return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb, k,
+                  cfg.placement.critic_world_size, ctp, cpp, cdp)

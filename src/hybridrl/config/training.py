@@ -136,8 +136,14 @@ class CriticConfig:
     """Token budget of one values micro-batch; None: ppo_max_token_len_per_gpu."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What to move to CPU during rollout."""
+    tensor_model_parallel_size: int = 1
+    """TP of a critic on ranks of its own (placement.critic_world_size > 0); else it shares the actor's."""
+    pipeline_model_parallel_size: int = 1
+    """PP of a critic on ranks of its own (placement.critic_world_size > 0); else it shares the actor's."""
 
     def __post_init__(self):
+        check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
+              "critic.tensor_model_parallel_size and critic.pipeline_model_parallel_size must be >= 1")
         one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "critic.loss_scale_factor must be > 0")
         check(self.ppo_max_token_len_per_gpu > 0 and (self.forward_max_token_len_per_gpu or 1) > 0,

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-TRAIN, ROLLOUT = "train", "rollout"
+TRAIN, CRITIC, ROLLOUT = "train", "critic", "rollout"
 
 
 @dataclass(frozen=True)
@@ -31,25 +31,33 @@ class SplitWorld:
     rollout_world_size: int
     store: object
     timeout: timedelta
+    critic_world_size: int = 0
+    """Ranks of a critic of its own, just before the rollout ranks (0: the critic trains with the actor)."""
 
     @property
     def train_world_size(self) -> int:
-        return self.world_size - self.rollout_world_size
+        return self.world_size - self.rollout_world_size - self.critic_world_size
+
+    def ranks_of(self, role: str) -> list[int]:
+        first = {TRAIN: 0, CRITIC: self.train_world_size,
+                 ROLLOUT: self.train_world_size + self.critic_world_size}[role]
+        size = {TRAIN: self.train_world_size, CRITIC: self.critic_world_size, ROLLOUT: self.rollout_world_size}[role]
+        return list(range(first, first + size))
 
     @property
     def role(self) -> str:
-        return TRAIN if self.rank < self.train_world_size else ROLLOUT
+        return next(r for r in (TRAIN, CRITIC, ROLLOUT) if self.rank in self.ranks_of(r))
 
     @property
     def rollout_ranks(self) -> list[int]:
-        return list(range(self.train_world_size, self.world_size))
+        return self.ranks_of(ROLLOUT)
 
     @property
     def rollout_leader(self) -> int:
-        return self.train_world_size
+        return self.rollout_ranks[0]
 
 
-def init_split_world(le, rollout_world_size: int, timeout_s: int = 600) -> SplitWorld:
+def init_split_world(le, rollout_world_size: int, timeout_s: int = 600, critic_world_size: int = 0) -> SplitWorld:
     """Join the job's store and start this rank's role world as the default process group."""
     from hybridrl.parallel import cpu_compat
     from hybridrl.parallel.distributed import export_launch_env
@@ -58,9 +66,9 @@ def init_split_world(le, rollout_world_size: int, timeout_s: int = 600) -> Split
     cpu_compat.apply()
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(le.master_addr, le.master_port, le.world_size, le.rank == 0, timeout)
-    world = SplitWorld(le.rank, le.world_size, rollout_world_size, store, timeout)
-    first = 0 if world.role == TRAIN else world.train_world_size
-    size = world.train_world_size if world.role == TRAIN else rollout_world_size
+    world = SplitWorld(le.rank, le.world_size, rollout_world_size, store, timeout, critic_world_size)
+    mine = world.ranks_of(world.role)
+    first, size = mine[0], len(mine)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(le.local_rank)

@@ -45,8 +45,15 @@ def _endless(loader):
 
 
 def _checkpointed_roles(roles) -> dict:
-    """The roles a checkpoint holds: {"actor": ActorWorker, "critic": CriticWorker (PPO only)}."""
-    return {name: w for name, w in (("actor", roles.actor), ("critic", roles.critic)) if w is not None}
+    """The roles this world writes into a checkpoint: {"actor": ActorWorker, "critic": CriticWorker (PPO
+    only, unless the critic has ranks of its own)}."""
+    return {name: w for name, w in (("actor", roles.actor), ("critic", roles.critic))
+            if w is not None and hasattr(w, "engine")}
+
+
+def _remote_roles(roles) -> dict:
+    """Roles that other ranks save: {"critic": RemoteCritic} in split placement with a critic group."""
+    return {"critic": roles.critic} if roles.critic is not None and not hasattr(roles.critic, "engine") else {}
 
 
 def _layout(groups) -> dict:
@@ -63,7 +70,8 @@ def _save(saver: CheckpointWriter, trainer, data_state: dict, step: int) -> None
     meta = {"data": data_state, "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
             "hf_config": load_hf_config(trainer.roles.hf_folder)}
     in_flight = trainer.remote.in_flight() if trainer.remote is not None else None
-    saver.save(step, _checkpointed_roles(trainer.roles), meta, {IN_FLIGHT: in_flight})
+    saver.save(step, _checkpointed_roles(trainer.roles), meta, {IN_FLIGHT: in_flight},
+               others={name: r.save for name, r in _remote_roles(trainer.roles).items()})
 
 
 def _profile_line(step: int, m: dict) -> str:
@@ -121,10 +129,16 @@ def start_split(cfg: Config):
     from hybridrl.trainer.split import serve_rollout
 
     le = launch_env()
-    world = init_split_world(le, split_ranks(cfg, le.world_size), cfg.trainer.dist_timeout_s)
+    world = init_split_world(le, split_ranks(cfg, le.world_size), cfg.trainer.dist_timeout_s,
+                             cfg.placement.critic_world_size)
     if world.role == "rollout":
         setup_logging()
         return world, serve_rollout(cfg, world)
+    if world.role == "critic":
+        from hybridrl.trainer.split_critic import serve_critic
+
+        setup_logging()
+        return world, serve_critic(cfg, world)
     return world, None
 
 
@@ -140,7 +154,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
 
             remote = Pipeline(RolloutClient(cfg, world, groups, _spec(cfg, tokenizer, groups), tokenizer.pad_token_id),
                               cfg.async_training.staleness_threshold)
-        code = _train(cfg, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile)
+        code = _train(cfg, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile, world)
         done = True
         return code
     finally:
@@ -168,7 +182,8 @@ def _spec(cfg: Config, tokenizer, groups):
     return spec_from_hf_config(load_hf_config(init_model_folder(cfg, tokenizer.vocab_size)))
 
 
-def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile) -> int:
+def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile,
+           world=None) -> int:
     from hybridrl.config.io import to_yaml
     from hybridrl.rewards import RewardManager
     from hybridrl.trainer.roles import build_roles
@@ -180,12 +195,20 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     print0(f"layout: {layout.describe()}")
     total = _total_steps(cfg, train_loader)
     writer = open_writer(cfg, le.rank == 0, sinks=["console"] if dry_run else None)
-    roles = build_roles(cfg, groups, tokenizer, total, with_engine=remote is None)
+    roles = build_roles(cfg, groups, tokenizer, total, with_engine=remote is None,
+                        with_critic=not layout.critic_world_size)
+    if layout.critic_world_size:  # a critic of its own: served by the critic ranks
+        from hybridrl.trainer.split_critic import RemoteCritic
+
+        roles.critic = RemoteCritic(world, groups, roles.hf_folder, total)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer, remote)
     saver = CheckpointWriter(ckpt, tc.async_save)
     trainer.sync_rollout_weights()
     if dry_run:
-        return _dry_run(trainer, train_loader, layout, cfg)
+        code = _dry_run(trainer, train_loader, layout, cfg)
+        if layout.critic_world_size:
+            roles.critic.stop()
+        return code
     start = _resume(trainer, resume_from, train_loader)
     val_history = []  # (step, validation metrics) of every validation, for the closing trend
     if val_loader is not None and tc.val_before_train and start == 0:
@@ -228,6 +251,8 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     bar.close()
     if remote is not None:
         remote.stop()  # the rollout ranks' last spans come back with their goodbye
+    if layout.critic_world_size:
+        roles.critic.stop()
     if tc.timeline_dir:
         _write_timeline(trainer, tc.timeline_dir)
     _print_trend("mean reward", rewards)
@@ -266,6 +291,13 @@ def _resume(trainer, path, loader) -> int:
         return 0
     trainer.hybrid.enter("checkpoint")  # loaded in place: every trainable state on the device
     meta = load_checkpoint(path, _checkpointed_roles(trainer.roles), _layout(trainer.groups))
+    for name, role in _remote_roles(trainer.roles).items():
+        if name not in meta["roles"]:
+            from hybridrl.checkpoint import CheckpointError
+
+            raise CheckpointError(f"{path} has no {name} state; resume with the algorithm.adv_estimator it was "
+                                  "saved with, or trainer.resume_mode=disable")
+        role.load(os.path.join(path, name))
     loader.load_state_dict(meta["data"])
     trainer.kl_ctrl.value = meta["kl_coef"]
     trainer.version = int(meta["step"])

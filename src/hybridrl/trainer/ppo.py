@@ -70,13 +70,17 @@ class PPOTrainer:
         self.agent_loop = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
         # hybrid engine: each phase keeps on the device only what it needs (offload.HYBRID_PHASES)
         self.hybrid = PhaseOffload({"actor": Offloader(self.actor.engine.module, self.actor.optimizer, cfg.actor.offload),
-                                    "critic": self.critic and Offloader(self.critic.engine.module,
-                                                                        self.critic.optimizer, cfg.critic.offload),
+                                    "critic": Offloader(self.critic.engine.module, self.critic.optimizer,
+                                                        cfg.critic.offload) if hasattr(self.critic, "engine") else None,
                                     "ref": self.ref and self.ref.offloader,
                                     "reward_model": roles.reward_model and roles.reward_model.offloader})
         self.batching = resolve_batching(cfg)
         self.old_log_prob_source = old_log_prob_source(cfg, layout)
         self.values_source = values_source(cfg, layout) if self.critic is not None else None
+        self.critic_apart = layout.critic_world_size > 0
+        """The critic trains on ranks of its own: its values pass and update overlap the actor's."""
+        if self.critic_apart:
+            self.values_source = "pass"
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self, prompts, step: int, update: bool = True, next_prompts=None, upcoming=None) -> Dict[str, float]:
@@ -98,7 +102,10 @@ class PPOTrainer:
         with t("adv"):  # with values from the critic update, GAE follows it (finish_advantages)
             metrics = self.compute_advantages(batch, scores)
         metrics.update(sample_metrics)
-        if self.critic is not None:
+        if self.critic_apart:  # sent now, answered after the actor's update: both updates run at once
+            with t("update_critic"):
+                self.critic.request_update(batch, apply=update)
+        elif self.critic is not None:
             with t("update_critic"):
                 self.hybrid.enter("update_critic")
                 metrics.update(self.critic.update_critic(batch, self.layout.critic_mini_batch_samples // self.layout.dp,
@@ -111,6 +118,9 @@ class PPOTrainer:
                 self.hybrid.enter("update_actor")
                 metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
                                                         self.batching.actor_update, apply=update))
+        if self.critic_apart:
+            with t("update_critic"):
+                metrics.update(self.critic.update_metrics())
         if update:
             self.version = step
             with t("update_weights"):
@@ -131,6 +141,9 @@ class PPOTrainer:
         """Old log-probs (from the engine, or a pass of their own), reference log-probs and values, each
         where the step needs it and the batch does not hold it yet (a streamed step ran them per chunk)."""
         t = self.timer
+        values_apart = self.critic_apart and self.values_source == "pass" and "values" not in batch
+        if values_apart:  # the critic ranks compute while this rank runs the actor's passes
+            self.critic.request_values(batch)
         if source == "rollout":
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif source == "pass" and "old_log_probs" not in batch:
@@ -145,7 +158,8 @@ class PPOTrainer:
         if self.values_source == "pass" and "values" not in batch:
             with t("values"):
                 self.hybrid.enter("values")
-                batch["values"] = self.critic.compute_values(batch, self.batching.critic_values)
+                batch["values"] = self.critic.values() if values_apart else \
+                    self.critic.compute_values(batch, self.batching.critic_values)
 
     def train_sampling(self) -> SamplingParams:
         r = self.cfg.rollout

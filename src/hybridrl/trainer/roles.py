@@ -136,10 +136,23 @@ def training_state_offloaded(modules_and_optimizers):
             offloader.onload()
 
 
-def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int, with_engine: bool = True) -> Roles:
-    """Every role of a run on `groups`; without the rollout engine (`with_engine` False) when other
-    ranks generate (split placement)."""
+def build_critic_worker(cfg: Config, groups: ParallelGroups, folder: str, total_steps: int) -> CriticWorker:
+    """The critic (value head on the HF trunk, seeded) with its optimizer, on `groups`."""
     from hybridrl.models.critic import critic_from_hf
+
+    critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, cfg.model.params_dtype, seed=cfg.model.seed,
+                                        **training_overrides(cfg))
+    critic_module = wrap_trainable(critic_model, cfg)
+    critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
+                                 cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
+    return CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic, cfg.data.max_response_length,
+                        cfg.algorithm.gamma, cfg.algorithm.lam)
+
+
+def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int, with_engine: bool = True,
+                with_critic: bool = True) -> Roles:
+    """Every role of a run on `groups`; without the rollout engine (`with_engine` False) when other
+    ranks generate, and without the critic (`with_critic` False) when it has ranks of its own."""
     from hybridrl.models.hf_checkpoint import model_from_hf
 
     folder = init_model_folder(cfg, tokenizer.vocab_size)
@@ -158,14 +171,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
         ref = LogProbWorker(ModelEngine(_frozen(ref_model), groups), spec.vocab_size, temperature)
         ref.offloader = Offloader(ref_model, None, OffloadConfig(params=cfg.ref.offload_params))
         ref.offloader.offload()  # ref.offload_params: on the host except in its own phase
-    critic = None
-    if cfg.algorithm.uses_critic:
-        critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, dtype, seed=cfg.model.seed, **recompute)
-        critic_module = wrap_trainable(critic_model, cfg)
-        critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
-                                     cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
-        critic = CriticWorker(ModelEngine(critic_module, groups), critic_opt, cfg.critic, cfg.data.max_response_length,
-                              cfg.algorithm.gamma, cfg.algorithm.lam)
+    critic = build_critic_worker(cfg, groups, folder, total_steps) if with_critic and cfg.algorithm.uses_critic else None
     owners = [(w.engine.module, w.optimizer.optimizer) for w in (actor, critic) if w is not None]
     owners += [(ref.engine.module, None)] if ref is not None else []
     rollout = None

@@ -47,7 +47,7 @@ def _talking_to(role: str, ranks: list, phase: str):
 
 
 def control_bridge(world: SplitWorld) -> Bridge:
-    return Bridge(world, "control", list(range(world.world_size)))
+    return Bridge(world, "control", world.ranks_of("train") + world.rollout_ranks)
 
 
 def weights_bridge(world: SplitWorld) -> Bridge | None:

@@ -1,0 +1,127 @@
+"""Split placement with a critic of its own (`placement.critic_world_size` c > 0).
+
+The c ranks just before the rollout ranks hold the critic at `critic.tensor_model_parallel_size` /
+`pipeline_model_parallel_size` in a megatron-core world of their own. The trainers' rank 0 talks to
+them over the `critic` bridge: `values` (a forward over the step's batch) and `update` (the clipped
+value-loss update) carry the DP-gathered batch columns the critic needs; each critic DP rank takes its
+slice, and the critic's first rank answers with the gathered values or the update's metrics. A request
+is sent before the actor's own work and answered after it, so the critic's values pass overlaps the
+actor's log-prob passes and the two updates run at the same time. `save` / `load` write and read the
+critic's part of a checkpoint folder with dist_checkpointing over the critic ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.config import Config
+from hybridrl.parallel.split_world import Bridge, SplitWorld
+from hybridrl.trainer.step_batch import gather_dp, local_slice
+
+VALUE_KEYS = ("input_ids", "attention_mask", "response_mask")
+UPDATE_KEYS = VALUE_KEYS + ("values", "returns")
+
+
+def critic_bridge(world: SplitWorld) -> Bridge | None:
+    if world.role == "rollout" or (world.role == "train" and world.rank != 0):
+        return None
+    return Bridge(world, "critic", [0] + world.ranks_of("critic"))
+
+
+class RemoteCritic:
+    """The trainers' handle on the critic ranks, with CriticWorker's `compute_values` / `update_critic`;
+    every trainer rank calls every method."""
+
+    def __init__(self, world: SplitWorld, groups, hf_folder: str, total_steps: int):
+        self.world, self.groups = world, groups
+        self.bridge = critic_bridge(world)
+        self.leader = world.ranks_of("critic")[0]
+        self._send({"kind": "hello", "folder": hf_folder, "total_steps": total_steps})
+
+    def _send(self, msg) -> None:
+        if self.bridge is not None:
+            self.bridge.broadcast_object(msg, 0)
+
+    def _answer(self):
+        """The critic leader's answer, on every trainer rank."""
+        box = [self.bridge.broadcast_object(None, self.leader) if self.bridge is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _columns(self, batch, keys) -> dict:
+        return {k: gather_dp(batch[k], self.groups).cpu() for k in keys}
+
+    def request_values(self, batch) -> None:
+        self._send({"kind": "values", "batch": self._columns(batch, VALUE_KEYS)})
+
+    def values(self) -> torch.Tensor:
+        return local_slice(self._answer(), self.groups).to(self.groups.device)
+
+    def compute_values(self, batch, batching=None) -> torch.Tensor:
+        self.request_values(batch)
+        return self.values()
+
+    def request_update(self, batch, apply: bool = True) -> None:
+        self._send({"kind": "update", "batch": self._columns(batch, UPDATE_KEYS), "apply": apply})
+
+    def update_metrics(self) -> dict:
+        return self._answer()
+
+    def update_critic(self, batch, mini_batch_rows=None, batching=None, apply: bool = True) -> dict:
+        self.request_update(batch, apply)
+        return self.update_metrics()
+
+    def save(self, folder: str) -> None:
+        self._send({"kind": "save", "folder": folder})
+        self._answer()
+
+    def load(self, folder: str) -> None:
+        self._send({"kind": "load", "folder": folder})
+        error = self._answer()
+        if error:
+            from hybridrl.checkpoint import CheckpointError
+
+            raise CheckpointError(error)
+
+    def stop(self) -> None:
+        self._send({"kind": "stop"})
+
+
+def serve_critic(cfg: Config, world: SplitWorld) -> int:
+    """The loop of a critic rank: build the critic at its own TP/PP, then answer until `stop`."""
+    from hybridrl.checkpoint import CheckpointError
+    from hybridrl.checkpoint.sharded import load_role, save_role
+    from hybridrl.config.batching import resolve_batching
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.trainer.roles import build_critic_worker
+
+    bridge = critic_bridge(world)
+    torch.manual_seed(cfg.trainer.seed)
+    groups = init_model_parallel(cfg.critic.tensor_model_parallel_size, cfg.critic.pipeline_model_parallel_size,
+                                 seed=cfg.trainer.seed)
+    hello = bridge.broadcast_object(None, 0)
+    mini_batch_samples = cfg.critic.ppo_mini_batch_size * cfg.rollout.n
+    worker = build_critic_worker(cfg, groups, hello["folder"], hello["total_steps"])
+    batching = resolve_batching(cfg)
+    lead = world.rank == world.ranks_of("critic")[0]
+    while True:
+        msg = bridge.broadcast_object(None, 0)
+        kind = msg["kind"]
+        if kind == "stop":
+            return 0
+        answer = None
+        if kind in ("values", "update"):
+            batch = {k: local_slice(v, groups).to(groups.device) for k, v in msg["batch"].items()}
+            if kind == "values":
+                answer = gather_dp(worker.compute_values(batch, batching.critic_values), groups).cpu()
+            else:
+                answer = worker.update_critic(batch, mini_batch_samples // groups.dp,
+                                              batching.critic_update, apply=msg["apply"])
+        elif kind == "save":
+            save_role(worker, msg["folder"], False)
+        elif kind == "load":
+            try:
+                load_role(worker, msg["folder"], "critic")
+            except CheckpointError as err:
+                answer = str(err)
+        bridge.broadcast_object(answer if lead else None, world.ranks_of("critic")[0])
