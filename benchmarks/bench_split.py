@@ -71,8 +71,12 @@ def _own_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def observed(fn):
-    """fn() with the machine around it: 1-minute load before, other processes' CPU (cores) during."""
+def observed(fn, limit_s: float = 2400):
+    """fn() with the machine around it, once no demo sweep or pytest runs (waiting up to limit_s):
+    1-minute load before, other processes' CPU (cores) during."""
+    start = time.time()
+    while others_running() and time.time() - start < limit_s:
+        time.sleep(30)
     load, busy, own, start, others = load1(), _busy_s(), _own_s(), time.time(), others_running()
     out = fn()
     foreign = (_busy_s() - busy) - (_own_s() - own)

@@ -3,6 +3,8 @@
 plan.py    the groups of a TP x PP x DP layout and each phase's per-GPU memory (`scripts/plan_layout.py`,
            `--dry-run`), hybrid engine against two copies
 memory.py  the byte counts of weights, gradients, optimizer state, activations and the loss side
+placement.py  which devices each role gets (split placement): every split beside colocated, with
+           predicted step time and per-group utilisation (`scripts/plan_layout.py --placement auto`)
 
 The planner reads the config, the workers' micro-batching and the offload rules; it must not import the
 trainer, build models or touch torch.distributed.
