@@ -1,8 +1,8 @@
 """Split placement: the trainers' side (`RolloutClient`) and the rollout ranks' loop (`serve_rollout`).
 
 The last `placement.rollout_world_size` ranks of the job only generate. Between the two roles runs one
-ordered conversation over the `control` bridge (every rank of the job is a member): the trainers'
-rank 0 sends `generate`, `weights` or `stop`; the rollout leader answers each `generate` with the
+ordered conversation over the `control` bridge (the trainer and rollout ranks are its members): the
+trainers' rank 0 sends `generate`, `weights` or `stop`; the rollout leader answers each `generate` with the
 responses of the whole request, in chunks of `async_training.stream_prompts` prompts when streaming.
 A message is never sent while an answer is owed, so the two sides cannot cross. Weights follow a
 `weights` message over their own bridge (`placement.transport`). Every answer carries the weight
@@ -25,7 +25,6 @@ from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
-
 
 
 class PeerLostError(RuntimeError):
@@ -68,12 +67,10 @@ class RolloutClient:
         self.control = control_bridge(world)
         r = cfg.rollout
         self.sender = WeightSender(weights_bridge(world), groups, spec, r.update_weights_bucket_mb, r.verify_weights)
-        self.version = 0
-        """Weight version the engines hold once the last `sync` lands (0: the initial weights)."""
         self.owed = None
         """The request whose answer has not been received yet: (rows per DP rank, key)."""
-        self.ready = {}
-        """Answers received ahead of their use (a drained prefetch), by key."""
+        self.answer = ([], [])
+        """(global prompt indices, every message) of the last request: what a checkpoint keeps of it."""
         self.wait_s = 0.0
         self.last_version, self.last_width = 0, 0
         self.spans = []
@@ -91,17 +88,15 @@ class RolloutClient:
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list, seeds: list, sampling: SamplingParams, key) -> None:
-        """Ask for responses to this DP rank's prompts (collective over the trainers); `key` names the
-        request (e.g. ("train", step)) for `result`."""
+        """Ask for responses to this DP rank's prompts (collective over the trainers); `key` is
+        (step, this rank's prompt indices, sampling)."""
         assert self.owed is None, "one request at a time: receive the owed answer first"
         parts = [None] * self.groups.dp
         dist.all_gather_object(parts, (prompt_ids, seeds, key), group=self.groups.dp_group)
         counts = [len(p[0]) for p in parts]
-        self.answer = ([i for p in parts for i in (p[2][1] if p[2] else ())], [])
-        """(global prompt indices, every message) of the last request: what a checkpoint keeps of it."""
+        self.answer = ([i for p in parts for i in p[2][1]], [])
         self._send({"kind": "generate", "prompts": [x for p in parts for x in p[0]],
                     "seeds": [s for p in parts for s in p[1]], "sampling": sampling,
-                    "multi_turn": self.cfg.rollout.multi_turn.enable,
                     "stream": self.cfg.async_training.stream_prompts})
         self.owed = (counts, key)
 
@@ -133,7 +128,6 @@ class RolloutClient:
     def sync(self, model, version: int) -> dict:
         """Send the current weights, as `version` (collective over the trainers)."""
         assert self.owed is None, "receive the owed answer before sending weights"
-        self.version = version
         self._send({"kind": "weights"})
         with self._peer("the weight sync"):
             return self.sender.send(model, version)
@@ -201,7 +195,7 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     control = control_bridge(world)
     receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    trainers = list(range(world.train_world_size))
+    trainers = world.ranks_of("train")
     with _talking_to("trainer", trainers, "start-up"):
         hello = control.broadcast_object(None, SENDER)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
@@ -233,11 +227,15 @@ class _Server:
         self.control, self.world, self.engine, self.agent, self.groups = control, world, engine, agent, groups
         self.timeline = timeline
 
-    def gather_spans(self):
+    def _take_spans(self) -> list:
+        """This rank's spans since the last call, as (global rank, phase, start, end)."""
         spans = [(self.world.rank, *span) for span in self.timeline.spans]
         self.timeline.clear()
+        return spans
+
+    def gather_spans(self):
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, spans)
+        dist.all_gather_object(parts, self._take_spans())
         return [x for part in parts for x in part] if self.world.rank == self.world.rollout_leader else None
 
     def answer(self, msg, version: int) -> None:
@@ -256,10 +254,8 @@ class _Server:
                     out = self.agent.generate(self.engine, prompts[a:b], sampling, seeds[a:b])
                 else:
                     out = self.engine.generate(prompts[a:b], sampling, seeds[a:b])
-            spans = [(self.world.rank, *span) for span in self.timeline.spans]
-            self.timeline.clear()
             parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, ((a, b), out if self.groups.tp_rank == 0 else None, spans))
+            dist.all_gather_object(parts, ((a, b), out if self.groups.tp_rank == 0 else None, self._take_spans()))
             if self.world.rank == self.world.rollout_leader:
                 outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
                 outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": version, "last": hi >= len(prompts),
