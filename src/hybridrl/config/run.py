@@ -87,7 +87,7 @@ class SFTConfig:
     shuffle: bool = True
     """Reshuffle the trajectories every epoch (seeded by data.seed)."""
     synthetic_task: str = ""
-    """When the train files are missing and this is set (arith_tools), generate demonstrations there."""
+    """When the train files are missing and this is set (arith, arith_tools), generate demonstrations there."""
 
     def __post_init__(self):
         check(self.max_length > 1, "sft.max_length must be > 1")
@@ -97,4 +97,4 @@ class SFTConfig:
         check(self.total_epochs >= 1, "sft.total_epochs must be >= 1")
         check(bool(self.messages_key), "sft.messages_key must name the column of the trajectories")
         check(bool(self.output_dir), "sft.output_dir must name the folder the model is written to")
-        one_of("sft.synthetic_task", self.synthetic_task, ("", "arith_tools"))
+        one_of("sft.synthetic_task", self.synthetic_task, ("", "arith", "arith_tools"))

@@ -3,6 +3,7 @@
 `arith`: single-digit addition. The user content is "3+4=" and the ground truth "7"
 (data_source "synthetic/arith", scored by `hybridrl.rewards.arith`). With builtin:tiny the prompt
 is exactly those four characters, so a tiny random-init model can learn the task with RL alone.
+`write_arith_demonstrations` writes the same task's SFT warm-up (prompt, right sum).
 `arith_tools`: two-digit multiplication for the tool-calling demo (`hybridrl.data.tool_demos`).
 `ensure_synthetic_data(cfg)` generates missing train/val files when `data.synthetic_task` is set.
 """
@@ -33,6 +34,19 @@ def arith_rows(n: int, seed: int, split: str, max_operand: int = 9) -> List[Dict
             "extra_info": {"split": split, "index": i, "a": a, "b": b},
         })
     return rows
+
+
+def arith_demonstration_rows(n: int, seed: int, max_operand: int = 9) -> List[Dict[str, Any]]:
+    """SFT trajectories of the addition task: the prompt and the right sum, as chat messages."""
+    return [{"data_source": ARITH_SOURCE, "messages": [{"role": "user", "content": row["prompt"][0]["content"]},
+                                                       {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+            for row in arith_rows(n, seed, "sft", max_operand)]
+
+
+def write_arith_demonstrations(path: str, n: int = 2000, seed: int = 11) -> str:
+    """A parquet file of `n` addition demonstrations for the demo's short SFT warm-up (atomic write)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return write_prompt_parquet(arith_demonstration_rows(n, seed), path)
 
 
 def write_synthetic_arith(folder: str, n_train: int = 2000, n_test: int = 100, seed: int = 0,

@@ -87,13 +87,15 @@ class SFTTrainer:
 def sft_loader(cfg: Config, tokenizer, groups):
     """The run's trajectories, this DP rank's slices; demonstrations are generated first (rank 0)
     when the files are missing and sft.synthetic_task is set."""
+    from hybridrl.data.synthetic import write_arith_demonstrations
     from hybridrl.data.tool_demos import write_demonstrations
     from hybridrl.sft.data import SFTDataset, SFTLoader
 
     missing = [p for p in cfg.sft.train_files if not os.path.exists(p)]
-    if dist.get_rank() == 0 and missing and cfg.sft.synthetic_task == "arith_tools":
+    write = {"arith": write_arith_demonstrations, "arith_tools": write_demonstrations}.get(cfg.sft.synthetic_task)
+    if dist.get_rank() == 0 and missing and write is not None:
         for path in missing:
-            write_demonstrations(path)
+            write(path)
     dist.barrier()
     dataset = SFTDataset(cfg.sft.train_files, tokenizer, cfg.sft)
     return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, cfg.data.seed)
