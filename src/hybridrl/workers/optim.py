@@ -39,7 +39,21 @@ def _counts_once(param, groups: ParallelGroups) -> bool:
     return getattr(param, "tensor_model_parallel", False) or groups.tp_rank == 0
 
 
-class CpuOptimizer:
+class LRSchedule:
+    """Where a role is in its LR schedule: one position per training step (as verl steps its scheduler),
+    however many optimizer steps (mini-batches x ppo_epochs) a training step takes."""
+    cfg: OptimConfig
+    total_steps: int
+    schedule_step: int = 0
+
+    def current_lr(self) -> float:
+        return lr_at(self.schedule_step, self.cfg, self.total_steps)
+
+    def advance_schedule(self) -> None:
+        self.schedule_step += 1
+
+
+class CpuOptimizer(LRSchedule):
     """torch AdamW over megatron DDP's main_grad buffers, with a global grad-norm clip."""
 
     def __init__(self, module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int):
@@ -65,7 +79,7 @@ class CpuOptimizer:
             if main is not None:
                 p.grad = main.to(p.dtype)
         norm = self.grad_norm()
-        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+        lr = self.current_lr()
         if not math.isfinite(norm):
             return False, norm, lr
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
@@ -105,10 +119,11 @@ class CpuOptimizer:
             raise RuntimeError(f"{len(self.params) - len(id_to_sharded)} optimized parameters are missing "
                                f"from the model's sharded state dict")
         optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
-        return {"optimizer": state, "step_count": self.step_count}
+        return {"optimizer": state, "step_count": self.step_count, "schedule_step": self.schedule_step}
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.step_count = int(state["step_count"])
+        self.schedule_step = int(state["schedule_step"])
         for param_state in state["optimizer"]["state"].values():
             param_state["step"] = torch.tensor(float(self.step_count))
         self.optimizer.load_state_dict(state["optimizer"])
@@ -119,7 +134,7 @@ class CpuOptimizer:
 INITIAL_LOSS_SCALE = 2.0 ** 16
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(LRSchedule):
     """megatron-core's optimizer (CUDA): mixed precision, fp16 loss scaling, distributed optimizer, clipping."""
 
     # how megatron's optimizers describe their state for dist_checkpointing (save and load alike)
@@ -147,7 +162,7 @@ class MegatronOptimizer:
         return float(self.optimizer.get_loss_scale())
 
     def step(self):
-        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+        lr = self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         updated, norm, _ = self.optimizer.step()
@@ -163,13 +178,14 @@ class MegatronOptimizer:
         `fully_reshardable` format, parameter-shaped like the CPU path, so it loads at any layout."""
         return {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
                                                                metadata=self.CHECKPOINT_METADATA),
-                "step_count": self.step_count}
+                "step_count": self.step_count, "schedule_step": self.schedule_step}
 
     def load_sharded_state_dict(self, state: dict) -> None:
         # DistributedOptimizer.load_state_dict restores param_state into its fp32 main shards; the
         # mixed-precision optimizers copy main params back into the model on their next step.
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
+        self.schedule_step = int(state["schedule_step"])
 
 
 def build_optimizer(module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int,

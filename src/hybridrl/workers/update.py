@@ -57,7 +57,9 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
         rows = [s.pop("rows") for s in stats if "rows" in s]
         width = mini["response_mask"].shape[1]
         rows_per_step.append({k: scatter_rows([r[k] for r in rows], plan, width) for k in rows[0]} if rows else {})
-        history.append(finish_step(engine, optimizer, stats, role, apply))
+        history.append(finish_step(engine, optimizer, stats, role, apply, advance=False))
+    if apply:  # the LR schedule moves once per training step, whatever the number of optimizer steps
+        optimizer.advance_schedule()
     return mean_of(history), rows_per_step
 
 
@@ -68,8 +70,10 @@ def check_one_step(what: str, fix: str, ppo_epochs: int, rows: int, mini_batch_r
                          f"(ppo_epochs={ppo_epochs}, {rows} rows in mini-batches of {mini_batch_rows}); {fix} first")
 
 
-def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True):
-    """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss)."""
+def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True,
+                advance: bool = True):
+    """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss);
+    `advance`: this step is a whole training step, so the LR schedule moves on."""
     summed = {}
     for s in stats:
         for k, v in s.items():
@@ -91,4 +95,6 @@ def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, ap
     if updated:
         metrics[f"{role}/grad_norm"] = grad_norm
     metrics[f"{role}/lr"] = lr
+    if advance:
+        optimizer.advance_schedule()
     return metrics
