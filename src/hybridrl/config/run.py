@@ -1,6 +1,7 @@
 """Sections trainer and sft: steps, logging, checkpoints, validation schedule; the supervised warm-up."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import List
 
@@ -49,6 +50,10 @@ class TrainerConfig:
     """Show a progress bar over steps (rank 0)."""
     log_freq: int = 1
     """Print a console line every this many steps (and at validations and the last step)."""
+    max_runtime: str = ""
+    """"HH:MM:SS" (or "D-HH:MM:SS"): save and stop (exit code 75) at the first step boundary after this long."""
+    stop_margin_s: int = 300
+    """Under SLURM, save and stop this many seconds before the job's end time (SLURM_JOB_END_TIME)."""
     timeline_dir: str = ""
     """Write a Chrome-trace JSON (timeline.json: one track per rank, a span per phase) here; empty disables."""
     dist_timeout_s: int = 600
@@ -59,6 +64,8 @@ class TrainerConfig:
         check(self.test_freq >= -1, "trainer.test_freq must be >= 1, 0 (never) or -1 (only at the end)")
         check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
         check(self.dist_timeout_s > 0, "trainer.dist_timeout_s must be > 0 (seconds)")
+        check(not self.max_runtime or bool(re.fullmatch(r"(\d+-)?(\d+:)?\d+:\d+", self.max_runtime.strip())),
+              f"trainer.max_runtime={self.max_runtime!r} is not HH:MM:SS (or D-HH:MM:SS); e.g. 23:50:00")
         check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep must be >= 1")
         for sink in self.logger:
             one_of("trainer.logger", sink, LOGGERS)

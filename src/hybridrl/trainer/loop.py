@@ -131,15 +131,14 @@ def start_split(cfg: Config):
     le = launch_env()
     world = init_split_world(le, split_ranks(cfg, le.world_size), cfg.trainer.dist_timeout_s,
                              cfg.placement.critic_world_size)
-    if world.role == "rollout":
-        setup_logging()
-        return world, serve_rollout(cfg, world)
-    if world.role == "critic":
-        from hybridrl.trainer.split_critic import serve_critic
+    if world.role == "train":
+        return world, None
+    from hybridrl.trainer.preemption import ignore_stop_signals
+    from hybridrl.trainer.split_critic import serve_critic
 
-        setup_logging()
-        return world, serve_critic(cfg, world)
-    return world, None
+    setup_logging()
+    ignore_stop_signals()
+    return world, (serve_rollout if world.role == "rollout" else serve_critic)(cfg, world)
 
 
 def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
@@ -214,6 +213,11 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     if val_loader is not None and tc.val_before_train and start == 0:
         val_history.append((0, trainer.validate(val_loader)))
         writer.log(val_history[-1][1], 0, tuple(_val_core(val_history[-1][1])))
+    from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
+
+    stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
+    stops.clear_stop_file()
+    code = 0
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
     profile_steps, rewards, tool_calls = [], [], []
@@ -243,10 +247,16 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
             print0(_profile_line(step, metrics))
             profile_steps.append(metrics)
         saver.poll()
-        if tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total):
+        reason = stops.agreed(groups.device)
+        if (tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total)) or reason:
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
             _save(saver, trainer, data_state, step)
         bar.update(1)
+        if reason:
+            saver.finalize()
+            print0(f"saved on signal at step {step} ({reason}): {ckpt.latest()}; the same command resumes it")
+            code = EXIT_PREEMPTED
+            break
     saver.finalize()
     bar.close()
     if remote is not None:
@@ -260,10 +270,11 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     _print_val_trend(val_history)
     if profile and profile_steps:
         _print_profile_average(profile_steps)
-    if tc.export_hf_dir:
+    if tc.export_hf_dir and not code:
         _export_hf(trainer, tc.export_hf_dir)
     writer.close()
-    return 0
+    stops.restore()
+    return code
 
 
 def _write_timeline(trainer, folder: str) -> None:

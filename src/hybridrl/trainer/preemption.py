@@ -1,0 +1,99 @@
+"""Stopping a run on purpose, in one piece: preemption signals, a stop file and a time limit.
+
+SIGTERM and SIGUSR1 (what SLURM sends before a preemption or the time limit, `--signal=B:USR1@T`),
+SIGINT (Ctrl-C), a stop file (`<trainer.default_local_dir>/STOP`, what slurm/ppo.sh touches when its
+batch shell gets the signal: no launcher has to forward anything) and `trainer.max_runtime` only raise a
+flag. At the next step boundary every trainer rank agrees on it (one all-reduce), the run saves a
+checkpoint (with the batch in flight, in split placement), prints `saved on signal at step K` and exits
+with EXIT_PREEMPTED, so a job script can requeue and the requeued job resumes by itself. A second
+SIGINT stops at once.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+EXIT_PREEMPTED = 75
+"""Exit code of a run that saved and stopped early (BSD's EX_TEMPFAIL: try again later)."""
+STOP_FILE = "STOP"
+
+
+def parse_runtime(text: str) -> float:
+    """Seconds of "HH:MM:SS" (or "D-HH:MM:SS", "MM:SS"); 0 for an empty string."""
+    if not text:
+        return 0.0
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if not m:
+        raise ValueError(f"trainer.max_runtime={text!r} is not HH:MM:SS (or D-HH:MM:SS)")
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def deadline(max_runtime: str, margin_s: float, environ=None) -> float | None:
+    """Epoch seconds after which the run saves and stops: trainer.max_runtime from now, or SLURM's job end
+    time (SLURM_JOB_END_TIME) less `margin_s` (time to save), whichever comes first; None without either."""
+    env = os.environ if environ is None else environ
+    limits = []
+    if max_runtime:
+        limits.append(time.time() + parse_runtime(max_runtime))
+    if env.get("SLURM_JOB_END_TIME", "").isdigit():
+        limits.append(float(env["SLURM_JOB_END_TIME"]) - margin_s)
+    return min(limits) if limits else None
+
+
+def ignore_stop_signals() -> None:
+    """Rollout and critic ranks of a split run: the trainers decide when the run ends and tell them."""
+    for sig in StopRequests.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class StopRequests:
+    """The flag the handlers raise; `agreed()` is collective over the trainer ranks."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, stop_file: str, end_by: float | None):
+        self.stop_file, self.end_by = stop_file, end_by
+        self.reason = ""
+        self._previous = {}
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.reason.startswith("SIGINT"):
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.reason = self.reason or signal.Signals(signum).name
+
+    def local_reason(self) -> str:
+        if self.reason:
+            return self.reason
+        if self.stop_file and os.path.exists(self.stop_file):
+            return f"stop file {self.stop_file}"
+        if self.end_by is not None and time.time() >= self.end_by:
+            return "time limit"
+        return ""
+
+    def agreed(self, device) -> str:
+        """The reason to stop if any trainer rank has one (the lowest rank's), else ""."""
+        mine = self.local_reason()
+        flag = torch.tensor([float(dist.get_rank()) if mine else float("inf")], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() == float("inf"):
+            return ""
+        box = [mine]
+        dist.broadcast_object_list(box, src=int(flag.item()))
+        return box[0]
+
+    def clear_stop_file(self) -> None:
+        """A requeued run must not stop again on the file that stopped its predecessor."""
+        if self.stop_file and dist.get_rank() == 0 and os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,96 @@
+"""Stopping on purpose: SIGTERM / SIGUSR1 / SIGINT, the stop file and trainer.max_runtime save a checkpoint at
+the next step boundary, print `saved on signal at step K` and exit 75; the same command then resumes."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_trainer import ROOT, TINY, _overrides
+
+LONG = ["trainer.total_training_steps=100000", "trainer.log_freq=1"]
+
+
+def _start(tmp, extra, nproc=1):
+    from dist_helper import free_port
+
+    script = [os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, LONG + extra)
+    if nproc > 1:
+        script = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"] + script
+    os.makedirs(tmp, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    return subprocess.Popen([sys.executable] + script, stdout=open(tmp / "out.log", "w"), stderr=subprocess.STDOUT,
+                            cwd=ROOT, env=env, start_new_session=True)
+
+
+def _wait_for(path, pattern, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, path.read_text())
+        if m:
+            return m
+        time.sleep(0.3)
+    raise AssertionError(f"{pattern!r} never appeared: {path.read_text()[-2000:]}")
+
+
+def _stopped(run, tmp):
+    try:
+        code = run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    out = (tmp / "out.log").read_text()
+    m = re.search(r"saved on signal at step (\d+) \(([^)]*)\)", out)
+    assert m, out[-3000:]
+    step = int(m.group(1))
+    assert (tmp / "ckpt" / f"global_step_{step}" / "meta.json").exists()
+    return code, step, m.group(2), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_signal_saves_and_the_same_command_resumes(tmp_path, sig):
+    run = _start(tmp_path, [])
+    _wait_for(tmp_path / "out.log", r"step:3 ")
+    os.kill(run.pid, getattr(signal, sig))
+    code, step, reason, _ = _stopped(run, tmp_path)
+    assert code == 75 and reason == sig and step >= 3
+    resumed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
+                             + _overrides(tmp_path, [f"trainer.total_training_steps={step + 1}"]),
+                             capture_output=True, text=True, cwd=ROOT, timeout=180,
+                             env={k: v for k, v in os.environ.items() if k != "MASTER_PORT"})
+    assert resumed.returncode == 0 and f"resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_stop_file_and_time_limit(tmp_path):
+    run = _start(tmp_path / "file", [])
+    _wait_for(tmp_path / "file" / "out.log", r"step:2 ")
+    (tmp_path / "file" / "ckpt" / "STOP").touch()
+    code, _, reason, _ = _stopped(run, tmp_path / "file")
+    assert code == 75 and reason.startswith("stop file")
+    run = _start(tmp_path / "limit", ["trainer.max_runtime=00:00:06"])
+    code, _, reason, _ = _stopped(run, tmp_path / "limit")
+    assert code == 75 and reason == "time limit"
+
+
+@pytest.mark.slow
+def test_split_run_saves_on_signal(tmp_path):
+    """torchrun passes SIGTERM to every rank: the rollout rank waits to be told, the trainer saves (with the
+    batch in flight at staleness 1) and both end; nothing is left running."""
+    import psutil
+
+    run = _start(tmp_path, ["placement.mode=split", "placement.rollout_world_size=1",
+                            "async_training.staleness_threshold=1"], nproc=2)
+    _wait_for(tmp_path / "out.log", r"step:3 ")
+    children = psutil.Process(run.pid).children(recursive=True)
+    os.kill(run.pid, signal.SIGTERM)
+    _, step, reason, _ = _stopped(run, tmp_path)
+    assert reason == "SIGTERM"
+    assert (tmp_path / "ckpt" / f"global_step_{step}" / "in_flight.pt").exists()
+    time.sleep(1)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
