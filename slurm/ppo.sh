@@ -9,6 +9,9 @@
 # numbers each node's GPUs consecutively, so the last ranks are whole nodes. Add
 # async_training.staleness_threshold=1 for one-step off-policy training.
 # Check the layout first: python scripts/plan_layout.py --config CONFIG --nodes N [--placement auto].
+# Preemption and time limits: SLURM signals this batch shell (USR1 300 s before the end, TERM before a
+# kill); it touches checkpoints/<job>/STOP, every rank sees it at the next step boundary, the run saves and
+# exits 75, and the job requeues itself (same job id, so the run resumes from checkpoints/<job> by itself).
 # Activate the Python environment before sbatch (SLURM exports it). Logs, TensorBoard events and
 # checkpoints go to per-job folders; resume a job with trainer.default_local_dir=checkpoints/<old id>.
 #SBATCH --job-name=hybridrl-ppo
@@ -18,6 +21,9 @@
 #SBATCH --cpus-per-task=64
 #SBATCH --time=24:00:00
 #SBATCH --output=logs/%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
 set -euo pipefail
 
 CONFIG=${1:?usage: sbatch [--nodes=N] slurm/ppo.sh configs/X.yaml [key=value ...]}
@@ -54,10 +60,25 @@ fi
 mkdir -p logs "runs/$SLURM_JOB_ID" "checkpoints/$SLURM_JOB_ID"
 echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $GPUS_PER_NODE GPUs, head $HEAD_NODE:$RDZV_PORT, config $CONFIG"
 
+STOP_FILE="checkpoints/$SLURM_JOB_ID/STOP"
+trap 'echo "job $SLURM_JOB_ID: stop requested, saving at the next step"; touch "$STOP_FILE"' USR1 TERM
+
 # Per-job folders first, so overrides given on the command line ("$@") win.
 srun --kill-on-bad-exit=1 torchrun \
     --nnodes="$SLURM_NNODES" --nproc_per_node="$GPUS_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
     scripts/train_ppo.py --config "$CONFIG" \
     trainer.log_dir="runs/$SLURM_JOB_ID" trainer.default_local_dir="checkpoints/$SLURM_JOB_ID" \
-    "${PLACEMENT[@]}" "$@"
+    "${PLACEMENT[@]}" "$@" &
+RUN=$!
+status=0
+while true; do  # a trapped signal interrupts `wait`; keep waiting for the run to save and end
+    wait "$RUN" && status=0 || status=$?
+    kill -0 "$RUN" 2>/dev/null || break
+done
+if [ "$status" -eq 75 ] || [ -e "$STOP_FILE" ]; then
+    echo "job $SLURM_JOB_ID: saved and stopped (exit $status); requeueing"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

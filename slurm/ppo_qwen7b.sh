@@ -11,6 +11,9 @@
 #SBATCH --cpus-per-task=64
 #SBATCH --time=24:00:00
 #SBATCH --output=logs/%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
 set -euo pipefail
 
 # sbatch runs a copy of this script from its spool folder: find the repository from the submit folder.

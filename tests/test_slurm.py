@@ -13,6 +13,7 @@ SCRIPTS = ["slurm/ppo.sh", "slurm/ppo_qwen7b.sh"]
 FAKE_SRUN = """#!/bin/sh
 printf '%s\\0' "$@" > "$FAKE_LOG/srun.argv"
 echo "srun $*"
+exit ${FAKE_SRUN_EXIT:-0}
 """
 FAKE_SCONTROL = """#!/bin/sh
 printf '%s\\0' "$@" > "$FAKE_LOG/scontrol.argv"
@@ -115,3 +116,17 @@ def test_split_placement_needs_a_training_node(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "slurm", "ppo.sh"), "configs/qwen2_7b.yaml"], env=env,
                           capture_output=True, text=True, cwd=tmp_path, timeout=30)
     assert proc.returncode == 2 and "ROLLOUT_NODES=1 leaves no node to train" in proc.stderr
+
+
+def test_a_run_that_saved_and_stopped_is_requeued(tmp_path):
+    """Exit 75 (saved on a preemption signal or the time limit): the job requeues itself under its own id."""
+    srun, scontrol, out = _run(tmp_path, "slurm/ppo.sh", ["configs/qwen2_7b.yaml"], FAKE_SRUN_EXIT="75")
+    assert scontrol == ["requeue", "4242"] and "requeueing" in out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_preemption_headers(script):
+    with open(os.path.join(ROOT, script)) as f:
+        text = f.read()
+    assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+    assert "#SBATCH --open-mode=append" in text  # the requeued run's lines follow the first run's
