@@ -51,12 +51,16 @@ def others_running() -> list:
     return [p for p in ("demo_sweep", "pytest") if subprocess.run(["pgrep", "-f", p], capture_output=True).stdout]
 
 
-def wait_quiet(limit_s: float = 2400, poll_s: float = 30, threshold: float = 0.7) -> str:
-    """Wait until no demo sweep or pytest runs and the 1-minute load is < threshold (at most limit_s)."""
+WAIT_UNTIL = [0.0]  # no waiting for other work after this time (main sets it from --wait-min)
+
+
+def wait_quiet(poll_s: float = 30, threshold: float = 0.7) -> str:
+    """Wait until no demo sweep or pytest runs and the 1-minute load is < threshold (until WAIT_UNTIL)."""
     start = time.time()
     while others_running() or load1() >= threshold:
-        if time.time() - start > limit_s:
-            return f"gave up waiting after {limit_s / 60:.0f} min: load {load1():.2f}, running {others_running()}"
+        if time.time() > WAIT_UNTIL[0]:
+            return (f"not quiet: gave up waiting after {(time.time() - start) / 60:.0f} min, load {load1():.2f}, "
+                    f"running: {', '.join(others_running()) or 'nothing named'}")
         time.sleep(poll_s)
     return f"quiet after {(time.time() - start) / 60:.1f} min of waiting (load {load1():.2f})"
 
@@ -71,11 +75,10 @@ def _own_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def observed(fn, limit_s: float = 2400):
-    """fn() with the machine around it, once no demo sweep or pytest runs (waiting up to limit_s):
+def observed(fn):
+    """fn() with the machine around it, once no demo sweep or pytest runs (or WAIT_UNTIL has passed):
     1-minute load before, other processes' CPU (cores) during."""
-    start = time.time()
-    while others_running() and time.time() - start < limit_s:
+    while others_running() and time.time() < WAIT_UNTIL[0]:
         time.sleep(30)
     load, busy, own, start, others = load1(), _busy_s(), _own_s(), time.time(), others_running()
     out = fn()
@@ -202,13 +205,14 @@ def main() -> None:
     p.add_argument("--stream-grpo", type=int, default=2, help="prompts per chunk (GRPO: 2 prompts = 8 rows)")
     p.add_argument("--stream-ppo", type=int, default=8, help="prompts per chunk (PPO: 8 prompts = 8 rows)")
     p.add_argument("--no-trl", action="store_true", help="hybridrl sides only")
-    p.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
+    p.add_argument("--wait-min", type=float, default=40, help="wait at most this long for a quiet machine")
     p.add_argument("--picture", help="draw docs/timeline.png instead of timing")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     if args.picture:
         return picture(args.picture, args.steps, args.stream_grpo)
-    quiet = "not waited for (--no-wait)" if args.no_wait else wait_quiet()
+    WAIT_UNTIL[0] = time.time() + 60 * args.wait_min
+    quiet = wait_quiet()
     print(quiet, flush=True)
     commit = subprocess.run(["git", "-C", bl.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", bl.ROOT, "status", "--porcelain", "src"], capture_output=True, text=True)

@@ -94,3 +94,37 @@ def test_split_run_saves_on_signal(tmp_path):
     assert (tmp_path / "ckpt" / f"global_step_{step}" / "in_flight.pt").exists()
     time.sleep(1)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["step", "async save"])
+def test_kill_9_leaves_no_process_behind(tmp_path, moment):
+    """kill -9 of a single-process run (mid-step, or with megatron's async checkpoint writer forked): within
+    5 s nothing of that run is left (children die with their parent), and the next run starts."""
+    import psutil
+
+    extra = ["trainer.save_freq=1", "trainer.async_save=true"] if moment == "async save" else []
+    run = _start(tmp_path, extra)
+    _wait_for(tmp_path / "out.log", r"step:3 ")
+    session = os.getsid(run.pid)
+    members = lambda: [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == session and p.pid != run.pid
+                       and p.status() != psutil.STATUS_ZOMBIE]
+    if moment == "async save":
+        assert members(), "the async writer was expected to be running"
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    deadline = time.monotonic() + 5
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not members(), [p.cmdline() for p in members()]
+    nxt = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
+                         + _overrides(tmp_path / "next", ["trainer.total_training_steps=1"]), capture_output=True,
+                         text=True, cwd=ROOT, timeout=180, env={k: v for k, v in os.environ.items() if k != "MASTER_PORT"})
+    assert nxt.returncode == 0, nxt.stderr[-2000:]
+
+
+def _sid(pid):
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,8 +79,44 @@ def run_device() -> torch.device:
     return torch.device("cpu")
 
 
+_ORPHAN_GUARD = []
+
+
+def _pdeathsig(expected_parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG); exit now if it already has."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def die_with_parent() -> None:
+    """From now on every process forked from this one gets SIGKILL when this process dies, however it dies
+    (PR_SET_PDEATHSIG, set in the child right after fork): a killed run leaves no child holding its port
+    or its files. Spawned children (megatron's async checkpoint writer) call `die_with_parent_if_spawned`
+    as they import the entry point. Idempotent; a no-op off Linux."""
+    if _ORPHAN_GUARD or not sys.platform.startswith("linux"):
+        return
+    forking = [0]
+    os.register_at_fork(before=lambda: forking.__setitem__(0, os.getpid()),
+                        after_in_child=lambda: _pdeathsig(forking[0]))
+    _ORPHAN_GUARD.append(forking)
+
+
+def die_with_parent_if_spawned() -> None:
+    """In a multiprocessing `spawn` child, which imports the parent's main module while it starts (then
+    `current_process()._inheriting` is set, the one marker spawn leaves): die with the parent."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False) and sys.platform.startswith("linux"):
+        _pdeathsig(os.getppid())
+
+
 def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     """Initialise the default process group (idempotent) and the CPU patches when there is no CUDA."""
+    die_with_parent()
     le = launch_env()
     export_launch_env(le)
     cpu_compat.apply()

@@ -60,8 +60,9 @@ class SplitWorld:
 def init_split_world(le, rollout_world_size: int, timeout_s: int = 600, critic_world_size: int = 0) -> SplitWorld:
     """Join the job's store and start this rank's role world as the default process group."""
     from hybridrl.parallel import cpu_compat
-    from hybridrl.parallel.distributed import export_launch_env
+    from hybridrl.parallel.distributed import die_with_parent, export_launch_env
 
+    die_with_parent()
     export_launch_env(le)
     cpu_compat.apply()
     timeout = timedelta(seconds=timeout_s)

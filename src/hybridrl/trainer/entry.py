@@ -10,6 +10,9 @@ import sys
 import warnings
 
 from hybridrl.config import ConfigError
+from hybridrl.parallel.distributed import die_with_parent_if_spawned
+
+die_with_parent_if_spawned()  # a spawned helper (async checkpoint writer) imports this module as it starts
 
 
 def parse_args(argv):
