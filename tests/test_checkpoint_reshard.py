@@ -58,7 +58,7 @@ def _save_at_tp2(tmp):
     batches = iter(loader)
     for step in (1, 2):
         trainer.train_step(next(batches), step)
-    _save(CheckpointWriter(CheckpointManager(os.path.join(tmp, "ckpt"), 2)), trainer, loader, 2)
+    _save(CheckpointWriter(CheckpointManager(os.path.join(tmp, "ckpt"), 2)), trainer, loader.state_dict(), 2)
     return exported(trainer.actor, trainer.roles.spec, trainer.groups)
 
 
@@ -71,7 +71,7 @@ def _resume_at(tmp, path, tp, pp):
     step = _resume(trainer, path, loader)
     state = exported(trainer.actor, trainer.roles.spec, trainer.groups)
     metrics = trainer.train_step(next(_endless(loader)), step + 1)
-    _save(CheckpointWriter(CheckpointManager(os.path.join(tmp, "ckpt"), 1)), trainer, loader, step + 1)
+    _save(CheckpointWriter(CheckpointManager(os.path.join(tmp, "ckpt"), 1)), trainer, loader.state_dict(), step + 1)
     return dict(state, step=step, grad_norm=metrics["actor/grad_norm"], data=loader.state_dict())
 
 
