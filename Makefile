@@ -22,8 +22,10 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation -e ".[wandb]"
 	@touch $(TEST_STAMP)
 
+# a 50-step SFT warm-up (the answer format), then GRPO on the synthetic addition task
 demo: venv
-	$(PY) scripts/train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
+	$(PY) scripts/train_sft.py --config configs/tiny_cpu.yaml $(ARGS)
+	$(PY) scripts/train_ppo.py --config configs/tiny_cpu.yaml model.path=outputs/tiny_cpu/sft_hf $(ARGS)
 
 # SFT warm-up on generated tool-use demonstrations, then GRPO with multi-turn tool-calling rollouts
 demo-tools: venv

@@ -26,8 +26,8 @@ _ROW_FIX = ("write each row's messages as [{'role': 'user', 'content': ...}, {'r
 
 def read_trajectories(path: str, key: str) -> List[object]:
     """The `key` column of one parquet file, after checking the file and the column."""
-    table = read_parquet_table(path, "SFT data file", "fix sft.train_files or set sft.synthetic_task=arith_tools "
-                               "to generate demonstrations there", _ROW_FIX)
+    table = read_parquet_table(path, "SFT data file", "fix sft.train_files or set sft.synthetic_task=arith "
+                               "(or arith_tools) to generate demonstrations there", _ROW_FIX)
     if key not in table.column_names:
         raise DataError(f"SFT data file '{path}' has no column '{key}' (it has {table.column_names}); "
                         f"set sft.messages_key or {_ROW_FIX}")
