@@ -228,6 +228,7 @@ class PPOTrainer:
         placement with stream_prompts) chunks scored and passed forward as they arrive."""
         if self.remote is not None and self.cfg.async_training.stream_prompts:
             return (*sample_streamed(self, prompts, step, source), {})
+
         def generate_and_score(p):
             with self.timer("gen"):
                 batch = self.generate(p, self.train_sampling(), step)
