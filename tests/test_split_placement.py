@@ -118,6 +118,9 @@ BAD = [
     (["async_training.staleness_threshold=1"], 1, "placement.mode=split"),
     (["placement.mode=split"], 2, "rollout_world_size=k > 0"),
     (["placement.rollout_world_size=1"], 2, "only apply with placement.mode=split"),
+    (SPLIT + ["async_training.partial_rollout=true"], 2, "only async_training.staleness_threshold=1 has"),
+    (["placement.mode=split", "placement.rollout_world_size=2", "async_training.staleness_threshold=1",
+      "async_training.partial_rollout=true"], 3, "there are 2 engines"),
     (SPLIT + ["placement.critic_world_size=1", "algorithm.adv_estimator=gae"], 2, "leave no rank to train the actor"),
     (SPLIT + ["placement.critic_world_size=1"], 3, "trains no critic"),
     (SPLIT + ["placement.critic_world_size=1", "algorithm.adv_estimator=gae", "critic.tensor_model_parallel_size=2"], 3,
@@ -276,3 +279,19 @@ def test_a_critic_of_its_own(tmp_path):
     assert (tmp_path / "split" / "ckpt" / "global_step_2" / "critic").is_dir()
     _colocated(tmp_path / "split", common + ["trainer.total_training_steps=3"])
     _assert_same_run(reference, read_scalars(tmp_path / "split"), (3,))
+
+
+@pytest.mark.slow
+def test_partial_rollout_takes_new_weights_mid_generation(tmp_path):
+    """Staleness 1 with partial rollout: update k's weights reach the engine between two decode steps of
+    batch k+1, so the rows it starts afterwards (few KV slots: rows start in waves) are not stale; a row
+    keeps the oldest version that produced any of its tokens."""
+    _torchrun(tmp_path, 2, SPLIT + ["async_training.staleness_threshold=1", "async_training.partial_rollout=true",
+                                    "data.max_response_length=24", "rollout.max_num_seqs=2",
+                                    "trainer.total_training_steps=5"])
+    scalars = read_scalars(tmp_path)
+    mean, worst = scalars["rollout/staleness/mean"], scalars["rollout/staleness/max"]
+    assert mean[1] == 0.0 and worst[1] == 0.0
+    assert all(0.0 <= mean[s] <= worst[s] <= 1.0 for s in range(2, 6))
+    assert min(mean[s] for s in range(2, 6)) < 1.0, mean  # some rows began under the new weights
+    assert max(worst[s] for s in range(2, 6)) == 1.0, worst  # and some under the old ones

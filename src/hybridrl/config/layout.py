@@ -145,9 +145,16 @@ def split_ranks(cfg: Config, world_size: int) -> int:
     _require(cfg.rollout.name == "native",
              "placement.mode=split streams weights into the native engine; set rollout.name=native (vLLM runs "
              "colocated)")
-    _require(not a.partial_rollout,
-             "async_training.partial_rollout=true is not built yet: set it to false (a batch is generated under "
-             "one weight version)")
+    _require(not a.partial_rollout or a.staleness_threshold == 1,
+             "async_training.partial_rollout=true loads new weights into generations in flight, which only "
+             "async_training.staleness_threshold=1 has; set it to 1, or partial_rollout=false")
+    _require(not a.partial_rollout or k == rtp,
+             f"async_training.partial_rollout=true pauses one engine between decode steps; with "
+             f"placement.rollout_world_size={k} there are {k // rtp} engines: set it to "
+             f"rollout.tensor_model_parallel_size ({rtp}), or partial_rollout=false")
+    _require(not a.partial_rollout or not cfg.rollout.multi_turn.enable,
+             "async_training.partial_rollout=true is not available with rollout.multi_turn (a trajectory spans "
+             "several generate calls); set one of them to false")
     _require(not (a.staleness_threshold > 0 and cfg.algorithm.rollout_correction.bypass_mode),
              "algorithm.rollout_correction.bypass_mode takes the engine's log-probs as the old ones, but with "
              "async_training.staleness_threshold > 0 they come from weights one version older than the policy "

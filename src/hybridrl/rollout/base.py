@@ -56,6 +56,9 @@ class RolloutOutput:
     attention_mask: torch.Tensor | None = None
     """float [N*n, R]: 1 on every real token (generated and tool output), 0 on padding; None: the
     same as response_mask (single-turn engines)."""
+    weight_epochs: torch.Tensor | None = None
+    """long [N*n]: weight updates the engine took in during this call before the row started (partial
+    rollout: the row's tokens come from that version on); None: no update during the call."""
 
 
 class RolloutEngine(Protocol):

@@ -29,9 +29,11 @@ class SlotBatch:
     """One generate call: rows (prompt, seed) -> tokens and log-probs [R, max_new_tokens] by request."""
 
     def __init__(self, lean: LeanGPT, rows: list, sampling: SamplingParams, stops: set, pad_id: int,
-                 max_num_seqs: int, graphs: str = "off"):
+                 max_num_seqs: int, graphs: str = "off", between_steps=None):
         """graphs: "off" (eager, attention over the live key range), "capture" (CUDA graphs per
-        bucket) or "padded" (the graph path's bucket padding, run eagerly: the CPU check of it)."""
+        bucket) or "padded" (the graph path's bucket padding, run eagerly: the CPU check of it).
+        between_steps: called after every decode step; True means it replaced the weights in place
+        (partial rollout), and rows admitted from then on count one more weight epoch (`row_epoch`)."""
         self.lean, self.sampling, self.stops, self.pad_id = lean, sampling, stops, pad_id
         self.prompts = [p for p, _ in rows]
         r, self.new = len(rows), sampling.max_new_tokens
@@ -49,6 +51,8 @@ class SlotBatch:
         self.slot_req, self.slot_pos, self.slot_count = [-1] * self.slots, [0] * self.slots, [0] * self.slots
         self.n, self.lengths, self.waiting = 0, [0] * r, deque(range(r))
         self.stats = {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0}
+        self.between_steps, self.epoch, self.row_epoch = between_steps, 0, [0] * r
+        """Weight updates taken in so far; per request, those taken in before it was admitted."""
         self.graphs = None if graphs == "off" else DecodeGraphs(self._step, self.slots, capture=graphs == "capture")
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -63,6 +67,8 @@ class SlotBatch:
             if self.n == 0:
                 break
             holes = self._release(self._decode())
+            if self.between_steps is not None and self.between_steps():
+                self.epoch += 1
         lengths = torch.tensor(self.lengths, device=self.out_tok.device)
         mask = (torch.arange(self.new, device=lengths.device)[None] < lengths[:, None]).float()
         r = len(self.lengths)
@@ -143,6 +149,7 @@ class SlotBatch:
                 state[slot_t] = value
             for s, r, p, t in zip(slots, ids, plens, tok.tolist()):
                 self.slot_req[s], self.slot_pos[s], self.slot_count[s] = r, p, 1
+                self.row_epoch[r] = self.epoch
                 if t in self.stops or self.new == 1:
                     done.append(s)
         return done

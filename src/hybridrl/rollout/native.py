@@ -83,6 +83,8 @@ class NativeEngine:
             raise ValueError(f"decode must be 'lean' or 'megatron', got {decode!r}")
         self.spec, self.pad_id, self.eos_id, self.max_num_seqs = spec, pad_id, eos_id, max_num_seqs
         self.decode, self.enforce_eager = decode, enforce_eager
+        self.between_steps = None
+        """Partial rollout (lean path): called between decode steps; True when it replaced the weights."""
         self.model = build_rollout_model(spec, self.groups, dtype)
         self.device = next(self.model.parameters()).device
         self._init_weights(offload_weights_on_sleep)
@@ -190,10 +192,11 @@ class NativeEngine:
             return self._generate_megatron(rows, sampling, stops, rows_out)
         graphs = "capture" if self.device.type == "cuda" and not self.enforce_eager else "off"
         batch = SlotBatch(LeanGPT(self.model, self.spec, self.groups), rows, sampling, stops, self.pad_id,
-                          self.max_num_seqs, graphs)
+                          self.max_num_seqs, graphs, self.between_steps)
         responses, mask, log_probs = batch.run()
+        epochs = torch.tensor(batch.row_epoch)[rows_out] if batch.epoch else None
         return RolloutOutput(responses[rows_out].cpu(), mask[rows_out].cpu(), log_probs[rows_out].cpu(),
-                             batch.stats)
+                             batch.stats, weight_epochs=epochs)
 
     def _generate_megatron(self, rows, sampling: SamplingParams, stops: set, rows_out: slice) -> RolloutOutput:
         tokens, log_probs, stats = [], [], {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0}

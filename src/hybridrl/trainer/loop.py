@@ -152,7 +152,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
             from hybridrl.trainer.split import Pipeline, RolloutClient
 
             remote = Pipeline(RolloutClient(cfg, world, groups, _spec(cfg, tokenizer, groups), tokenizer.pad_token_id),
-                              cfg.async_training.staleness_threshold)
+                              cfg.async_training.staleness_threshold, cfg.async_training.partial_rollout)
         code = _train(cfg, le, tokenizer, layout, groups, train_loader, val_loader, remote, dry_run, profile, world)
         done = True
         return code

@@ -199,9 +199,9 @@ class PPOTrainer:
     def _remote_output(self, prompts, sampling: SamplingParams, step: int):
         """Split placement: this rank's responses from the rollout ranks (prefetched, or asked for now)."""
         with self.timer("generate_sequences"):
-            out, version = self.remote.generate(*self.rollout_request(prompts, sampling, step))
+            out, versions = self.remote.generate(*self.rollout_request(prompts, sampling, step))
         if sampling == self.train_sampling():
-            self.gen_versions.append(version)
+            self.gen_versions += versions.tolist()
         return out
 
     def assemble_batch(self, prompts, sampling: SamplingParams, out, source: bool) -> Dict[str, torch.Tensor]:

@@ -129,8 +129,20 @@ class RolloutClient:
         """Send the current weights, as `version` (collective over the trainers)."""
         assert self.owed is None, "receive the owed answer before sending weights"
         self._send({"kind": "weights"})
+        return self.send_weights(model, version)
+
+    def send_weights(self, model, version: int) -> dict:
         with self._peer("the weight sync"):
             return self.sender.send(model, version)
+
+    def claim_generation(self) -> bool:
+        """Partial rollout: whether the answer in flight is still being generated, in which case the rollout
+        ranks now take the next weights between two decode steps (agreed by all trainer ranks)."""
+        box = [None]
+        if self.world.rank == SENDER:
+            box[0] = self.world.store.compare_set(PARTIAL_KEY, "generating", "weights") == b"weights"
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def stop(self) -> None:
         if self.owed is not None:
@@ -146,8 +158,15 @@ def my_rows(msg: dict, lo_rank: int, hi_rank: int):
     lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
     if lo < hi:
         n = msg["n"]
-        yield _rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n)), lo - lo_rank, hi - lo_rank, \
-            msg["version"]
+        out = _rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n))
+        yield out, lo - lo_rank, hi - lo_rank, row_versions(out, msg["version"])
+
+
+def row_versions(out: RolloutOutput, version: int) -> torch.Tensor:
+    """The weight version behind each response row: the call's first, plus the updates taken in before
+    the row started (partial rollout); the oldest version that produced any of its tokens."""
+    rows = out.responses.shape[0]
+    return version + (out.weight_epochs if out.weight_epochs is not None else torch.zeros(rows, dtype=torch.long))
 
 
 def _per_row(out: RolloutOutput) -> dict:
@@ -202,6 +221,10 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
     agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
     server = _Server(control, world, engine, agent, groups, Timeline(world.rank, "rollout"))
+    partial = None
+    if cfg.async_training.partial_rollout:
+        partial = _PartialWeights(world.store, receiver, engine, world.rank == world.rollout_leader)
+        engine.between_steps = partial.between_steps
     version = -1  # no weights yet
     while True:
         with _talking_to("trainer", trainers, "the wait for a request"), server.timeline.span("wait_request"):
@@ -215,7 +238,49 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
                 version = receiver.receive(engine)
             continue
         with _talking_to("trainer", trainers, "sending responses"):
-            server.answer(msg, version)
+            version = server.answer(msg, version, partial)
+
+
+PARTIAL_KEY = "partial_rollout/state"
+"""Store key of the partial-rollout handshake: "generating" (an answer is in the works), "weights" (the
+trainers are sending new weights: take them at the next decode step) or "done" (generation finished)."""
+
+
+class _PartialWeights:
+    """Partial rollout on the rollout ranks (one engine replica): between decode steps the replica's first
+    rank looks at the handshake key, every rank of the replica agrees, and new weights are taken in
+    place; generation goes on with them. The trainers only send mid-answer after switching the key from
+    "generating" to "weights" (compare-and-set), and the replica ends an answer by switching it to
+    "done" the same way, so a weight send is never left without a receiver."""
+
+    def __init__(self, store, receiver, engine, leader: bool):
+        self.store, self.receiver, self.engine, self.leader = store, receiver, engine, leader
+        self.version = -1
+
+    def _agree(self, value: bool) -> bool:
+        flag = torch.tensor([1.0 if value else 0.0])
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def begin(self) -> None:
+        if self.leader:
+            self.store.set(PARTIAL_KEY, "generating")
+
+    def between_steps(self) -> bool:
+        if not self._agree(self.leader and self.store.get(PARTIAL_KEY) == b"weights"):
+            return False
+        self.version = self.receiver.receive(self.engine)
+        if self.leader:
+            self.store.set(PARTIAL_KEY, "generating")
+        return True
+
+    def end(self) -> None:
+        """Generation of the answer is over: close the window, or take weights already on their way."""
+        sent = self.leader and self.store.compare_set(PARTIAL_KEY, "generating", "done") == b"weights"
+        if self._agree(sent):
+            self.version = self.receiver.receive(self.engine)
+            if self.leader:
+                self.store.set(PARTIAL_KEY, "done")
 
 
 class _Server:
@@ -238,8 +303,13 @@ class _Server:
         dist.all_gather_object(parts, self._take_spans())
         return [x for part in parts for x in part] if self.world.rank == self.world.rollout_leader else None
 
-    def answer(self, msg, version: int) -> None:
+    def answer(self, msg, version: int, partial=None) -> int:
+        """Generate and send one request; returns the weight version the engine holds afterwards (partial
+        rollout may have taken in new weights on the way)."""
         prompts, seeds, sampling = msg["prompts"], msg["seeds"], msg["sampling"]
+        if partial is not None:
+            partial.version = version
+            partial.begin()
         outbox, failed = queue.Queue(), []
         sender = threading.Thread(target=self._send_all, args=(outbox, failed), daemon=True)
         sender.start()
@@ -249,16 +319,19 @@ class _Server:
                 break
             hi = min(lo + step, len(prompts))
             a, b = _replica_share(lo, hi, self.groups)
+            start_version = partial.version if partial is not None else version
             with self.timeline.span("gen"):
                 if self.agent is not None:
                     out = self.agent.generate(self.engine, prompts[a:b], sampling, seeds[a:b])
                 else:
                     out = self.engine.generate(prompts[a:b], sampling, seeds[a:b])
+            if partial is not None and hi >= len(prompts):
+                partial.end()
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, ((a, b), out if self.groups.tp_rank == 0 else None, self._take_spans()))
             if self.world.rank == self.world.rollout_leader:
                 outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
-                outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": version, "last": hi >= len(prompts),
+                outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": start_version, "last": hi >= len(prompts),
                             "out": _join(outs, self.engine.pad_id) if outs else out,
                             "spans": [x for _, _, part in parts for x in part]})
             else:
@@ -267,6 +340,7 @@ class _Server:
         sender.join()
         if failed:
             raise failed[0]
+        return partial.version if partial is not None else version
 
     def _send_all(self, outbox, failed) -> None:
         while (msg := outbox.get()) is not StopIteration:
@@ -292,8 +366,8 @@ class Pipeline:
     k's weights wait until batch k+1 is received (`updated` only marks them), so they never cross it.
     Answers are looked up by key: a prefetched batch is used by the step it was submitted for."""
 
-    def __init__(self, client: RolloutClient, staleness: int):
-        self.client, self.staleness = client, staleness
+    def __init__(self, client: RolloutClient, staleness: int, partial: bool = False):
+        self.client, self.staleness, self.partial = client, staleness, partial
         self.held = {}
         """key -> (output, version): answers received before their step asked for them."""
         self.owed_key = None
@@ -304,16 +378,16 @@ class Pipeline:
         """A checkpoint's in-flight batch, until its step asks for it."""
 
     def generate(self, ids: list, seeds: list, sampling: SamplingParams, key):
-        """(output of this rank's prompts, version that generated it)."""
+        """(output of this rank's prompts, the weight version behind each of its rows)."""
         chunks = list(self.stream(ids, seeds, sampling, key))
         if not chunks:  # no prompt of this DP rank in the request
             empty = torch.zeros(0, self.client.last_width)
-            return RolloutOutput(empty.long(), empty, empty.clone()), self.client.last_version
+            return RolloutOutput(empty.long(), empty, empty.clone()), torch.zeros(0, dtype=torch.long)
         chunks.sort(key=lambda c: c[1])
-        return _join([c[0] for c in chunks], self.client.pad_id), min(c[3] for c in chunks)
+        return _join([c[0] for c in chunks], self.client.pad_id), torch.cat([c[3] for c in chunks])
 
     def stream(self, ids: list, seeds: list, sampling: SamplingParams, key):
-        """(output, lo, hi, version) per chunk of this rank's prompts [lo, hi), in completion order:
+        """(output, lo, hi, row versions) per chunk of this rank's prompts [lo, hi), in completion order:
         held or in flight for `key`, else asked for now with the newest weights."""
         if key in self.held:
             yield from self.held.pop(key)
@@ -339,10 +413,14 @@ class Pipeline:
         self.owed_key = key
 
     def updated(self, model, version: int, now: bool = False) -> dict:
-        """New weights after an update: sent now (s = 0, or `now`), else when the batch in flight is in."""
+        """New weights after an update: sent now (s = 0, or `now`), else when the batch in flight is in;
+        with partial rollout, into the generation in flight when it is still running."""
         self.pending = (model, version)
         if now or self.staleness == 0 or self.owed_key is None:
             return self.flush()
+        if self.partial and self.client.claim_generation():
+            self.pending = None
+            return self.client.send_weights(model, version)
         return {}
 
     def flush(self) -> dict:

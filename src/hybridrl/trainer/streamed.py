@@ -27,8 +27,8 @@ def sample_streamed(trainer, prompts, step: int, source: str):
             chunk = next(chunks, None)
         if chunk is None:
             break
-        out, lo, hi, version = chunk
-        trainer.gen_versions.append(version)
+        out, lo, hi, versions = chunk
+        trainer.gen_versions += versions.tolist()
         rows = prompt_rows(prompts, lo, hi)
         batch = trainer.assemble_batch(rows, sampling, out, True)
         with trainer.timer("reward"):
