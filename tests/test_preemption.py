@@ -96,16 +96,24 @@ def test_split_run_saves_on_signal(tmp_path):
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+KILL_MOMENTS = {"start-up": ([], None), "step": ([], r"step:3 "), "sync save": (["trainer.save_freq=1"], r"step:3 "),
+                "async save": (["trainer.save_freq=1", "trainer.async_save=true"], r"step:3 ")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["step", "async save"])
+@pytest.mark.parametrize("moment", sorted(KILL_MOMENTS))
 def test_kill_9_leaves_no_process_behind(tmp_path, moment):
-    """kill -9 of a single-process run (mid-step, or with megatron's async checkpoint writer forked): within
-    5 s nothing of that run is left (children die with their parent), and the next run starts."""
+    """kill -9 of a single-process run (while it starts, mid-step, while it saves, or with megatron's async
+    checkpoint writer running): within 5 s nothing of that run is left (children die with their parent),
+    and the next run on the machine starts."""
     import psutil
 
-    extra = ["trainer.save_freq=1", "trainer.async_save=true"] if moment == "async save" else []
+    extra, marker = KILL_MOMENTS[moment]
     run = _start(tmp_path, extra)
-    _wait_for(tmp_path / "out.log", r"step:3 ")
+    if marker is None:
+        time.sleep(3)  # importing torch / megatron, building the process group
+    else:
+        _wait_for(tmp_path / "out.log", marker)
     session = os.getsid(run.pid)
     members = lambda: [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == session and p.pid != run.pid
                        and p.status() != psutil.STATUS_ZOMBIE]
@@ -128,3 +136,22 @@ def _sid(pid):
         return os.getsid(pid)
     except OSError:
         return None
+
+
+@pytest.mark.slow
+def test_a_hung_phase_ends_the_run_naming_rank_and_phase(tmp_path):
+    """A reward function that never returns: after trainer.hang_timeout_s the run writes every thread's
+    stack, prints one line naming rank and phase, and exits non-zero instead of sitting there."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(3600)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
+                          + _overrides(tmp_path, [f"reward.custom_function.path={reward}", "trainer.hang_timeout_s=4"]),
+                          capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "MASTER_PORT"})
+    assert proc.returncode == 3 and time.monotonic() - start < 60
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank 0 made no progress" in errors[0] and "in phase reward" in errors[0], errors
+    stacks = (tmp_path / "tb" / "hang_rank0.txt").read_text()
+    assert "compute_score" in stacks and "slow_reward.py" in stacks

@@ -31,6 +31,8 @@ class StageTimer:
         self._open: list = []
         self.on_span = None
         """Called as on_span(name, start, end) (time.perf_counter seconds) when a stage ends: a timeline."""
+        self.on_enter = self.on_leave = None
+        """Called as on_enter(name) / on_leave() around each stage: a hang watchdog."""
 
     def _record_peak(self, names) -> None:
         """Fold the allocator's peak since its last reset into `names` (then reset it)."""
@@ -45,11 +47,15 @@ class StageTimer:
         if self.cuda:
             self._record_peak(self._open)
         self._open.append(name)
+        if self.on_enter is not None:
+            self.on_enter(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
+            if self.on_leave is not None:
+                self.on_leave()
             self.seconds[name] += end - start
             if self.on_span is not None:
                 self.on_span(name, start, end)

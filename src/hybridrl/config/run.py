@@ -58,12 +58,15 @@ class TrainerConfig:
     """Write a Chrome-trace JSON (timeline.json: one track per rank, a span per phase) here; empty disables."""
     dist_timeout_s: int = 600
     """Process-group timeout: a collective waiting this long for a rank that stopped fails the job."""
+    hang_timeout_s: float = 1800
+    """A phase running this long ends the run with one line naming rank and phase, stacks under log_dir; 0: off."""
 
     def __post_init__(self):
         check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")
         check(self.test_freq >= -1, "trainer.test_freq must be >= 1, 0 (never) or -1 (only at the end)")
         check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
         check(self.dist_timeout_s > 0, "trainer.dist_timeout_s must be > 0 (seconds)")
+        check(self.hang_timeout_s >= 0, "trainer.hang_timeout_s must be >= 0 (seconds; 0 turns the watchdog off)")
         check(not self.max_runtime or bool(re.fullmatch(r"(\d+-)?(\d+:)?\d+:\d+", self.max_runtime.strip())),
               f"trainer.max_runtime={self.max_runtime!r} is not HH:MM:SS (or D-HH:MM:SS); e.g. 23:50:00")
         check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep must be >= 1")

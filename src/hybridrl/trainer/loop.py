@@ -215,6 +215,10 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         writer.log(val_history[-1][1], 0, tuple(_val_core(val_history[-1][1])))
     from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
 
+    from hybridrl.trainer.watchdog import Watchdog
+
+    watchdog = Watchdog(tc.hang_timeout_s, tc.log_dir, dist.get_rank())
+    trainer.timer.on_enter, trainer.timer.on_leave = watchdog.enter, watchdog.leave
     stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
     stops.clear_stop_file()
     code = 0
@@ -224,6 +228,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     ahead = remote is not None and cfg.async_training.staleness_threshold > 0
     upcoming = None  # staleness 1: the next step's prompts, generated while this step trains
     for step in range(start + 1, total + 1):
+        watchdog.step(step)
         prompts = upcoming if upcoming is not None else next(batches)
         data_state = train_loader.state_dict()  # a resume starts with the next step's prompts
         upcoming = next(batches) if ahead and step < total else None
