@@ -3,10 +3,11 @@
 GRPO on the setup of bench_grpo_vs_trl.py, PPO on that of bench_ppo_vs_trl.py. Sides, run in
 alternation A B C D per round: colocated (1 process, 2 threads), split s=0 (torchrun: 1 trainer
 rank + 1 rollout rank, 1 thread each), split s=1 + stream m (the same, staleness 1 and
-stream_prompts m), and TRL (2 threads, as the benches run it). A step is the wall clock between
+stream_prompts m; m = 0: whole batches), and TRL (2 threads, as the benches run it). A step is the wall clock between
 consecutive steps: hybridrl's TensorBoard events of consecutive steps (wall_time), TRL's
 consecutive on_step_end; steps 2..--steps of every run. Split runs also report, from their
-timeline.json over the same window, the overlap of the two roles and each role's busy share.
+timeline.json over the same window, the overlap of the two roles (also without the weight sync, in
+which both roles are busy with the same transfer) and each role's busy share.
 
     .venv/bin/python benchmarks/bench_split.py [--algos grpo,ppo] [--rounds 3] [--steps 8] [--no-trl]
     .venv/bin/python benchmarks/bench_split.py --picture docs/timeline.png [--steps 5]
@@ -14,6 +15,7 @@ timeline.json over the same window, the overlap of the two roles and each role's
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -32,13 +34,13 @@ BYPASS = "algorithm.rollout_correction.bypass_mode=true"  # PPO bench: not allow
 STAGES = ("gen", "wait_rollout", "old_log_prob", "ref", "update_critic", "update_actor", "update_weights")
 
 
-def sides(c: tc.Comparison, stream: int) -> list:
-    """(label, processes, threads per process, overrides) of the hybridrl sides."""
+def sides(c: tc.Comparison, streams) -> list:
+    """(label, processes, threads per process, overrides) of the hybridrl sides: one s=1 side per m."""
     base = list(c.overrides)
-    async_ = [o for o in base if o != BYPASS] + list(SPLIT)
-    async_ += ["async_training.staleness_threshold=1", f"async_training.stream_prompts={stream}"]
-    return [("colocated", 1, 2, base), ("split s=0", 2, 1, base + list(SPLIT)),
-            (f"split s=1 + stream {stream}", 2, 1, async_)]
+    async_ = [o for o in base if o != BYPASS] + list(SPLIT) + ["async_training.staleness_threshold=1"]
+    return [("colocated", 1, 2, base), ("split s=0", 2, 1, base + list(SPLIT))] + [
+        (f"split s=1 + stream {m}" if m else "split s=1", 2, 1, async_ + [f"async_training.stream_prompts={m}"])
+        for m in streams]
 
 
 # ---- machine state ----------------------------------------------------------------------------
@@ -98,6 +100,8 @@ def hybridrl_run(nproc, threads, overrides, run_dir, steps) -> dict:
     groups = role_groups(events)
     out["busy"] = {role: busy_share(events, ranks, window) for role, ranks in groups.items()}
     out["overlap"] = overlap(events, groups, window) if len(groups) > 1 else None
+    computing = [e for e in events if e.get("name") != "update_weights"]  # the sync: both sides busy, not computing
+    out["overlap_nosync"] = overlap(computing, groups, window) if len(groups) > 1 else None
     out["tb_overlap"] = [s["perf/overlap"][i] for i in range(2, steps + 1) if i in s.get("perf/overlap", {})]
     out["staleness"] = [s["rollout/staleness/mean"][i] for i in range(2, steps + 1) if "rollout/staleness/mean" in s]
     return out
@@ -109,12 +113,12 @@ def trl_run(c, trl_python, run_dir, steps) -> dict:
     return dict(out, wall_s=out["stages"]["wall"])
 
 
-def rounds(c, args, stream: int, trl_python) -> list:
+def rounds(c, args, streams, trl_python) -> list:
     """[{side label: run}] per round, the sides in the same order every round."""
     out = []
     for i in range(args.rounds):
         row = {}
-        for label, nproc, threads, overrides in sides(c, stream):
+        for label, nproc, threads, overrides in sides(c, streams):
             run_dir = os.path.join(bl.WORK, f"split_{c.name}_{label.replace(' ', '_').replace('=', '')}_{i}")
             row[label] = observed(lambda: hybridrl_run(nproc, threads, overrides, run_dir, args.steps))
         if trl_python:
@@ -142,6 +146,7 @@ def summary(runs: list) -> dict:
         out[label] = {"median": bl.median([x for r in rs for x in r["wall_s"]]), "rounds": per_round,
                       "internal": bl.median([x for r in rs for x in r.get("step_s", [])]) if "busy" in rs[0] else None,
                       "overlap": mean([r["overlap"] for r in rs if r.get("overlap") is not None]),
+                      "nosync": mean([r["overlap_nosync"] for r in rs if r.get("overlap_nosync") is not None]),
                       "tb_overlap": mean([x for r in rs for x in r.get("tb_overlap", [])]),
                       "trainer": mean([r["busy"]["trainer"] for r in rs if "busy" in r]),
                       "rollout": mean([r["busy"]["rollout"] for r in rs if "rollout" in r.get("busy", {})]),
@@ -159,13 +164,13 @@ def section(c, runs, args, stamp: dict) -> str:
     for label, v in s.items():
         rows.append([label, f"**{v['median']:.3f}** [{min(v['rounds']):.3f}-{max(v['rounds']):.3f}]",
                      f"{v['median'] / colo:.2f}x", f"{v['median'] / trl:.2f}x" if trl else "-",
-                     f"{v['internal']:.3f}" if v["internal"] else "-", _pct(v["overlap"]), _pct(v["tb_overlap"]),
+                     f"{v['internal']:.3f}" if v["internal"] else "-", _pct(v["overlap"]), _pct(v["nosync"]), _pct(v["tb_overlap"]),
                      _pct(v["trainer"]), _pct(v["rollout"]),
                      "-" if v["staleness"] is None else f"{v['staleness']:.2f}",
                      f"{min(v['loads']):.2f}-{max(v['loads']):.2f}", f"{v['foreign']:.2f}",
                      stamp["commit"], stamp["date"]])
     table = bl.table(["side", "wall s/step median [round medians]", "/ colocated", "/ TRL", "timing_s/step",
-                      "overlap (timeline)", "perf/overlap", "trainer busy", "rollout busy", "staleness", "load 1-min before",
+                      "overlap (timeline)", "overlap w/o sync", "perf/overlap", "trainer busy", "rollout busy", "staleness", "load 1-min before",
                       "other CPU (cores)", "commit", "date"], rows)
     stage_rows = [[label, k, f"{x:.3f}"] for label, v in s.items() for k, x in v["stages"].items()]
     best = min((v["median"], k) for k, v in s.items() if k.startswith("split"))
@@ -176,7 +181,8 @@ def section(c, runs, args, stamp: dict) -> str:
         verdicts.append(f"<= 0.5x TRL: best hybridrl side ({fastest[1]}) **{fastest[0] / trl:.2f}x** "
                         f"({'met' if fastest[0] / trl <= 0.5 else 'missed'})")
     ov = [(v["overlap"], k) for k, v in s.items() if k.startswith("split s=1")]
-    verdicts += [f"overlap > 85% ({k}): **{_pct(o)}** ({'met' if o > 0.85 else 'missed'})" for o, k in ov]
+    verdicts += [f"overlap > 85% ({k}): **{_pct(o)}**, {_pct(s[k]['nosync'])} without the weight sync "
+                 f"({'met' if o > 0.85 else 'missed'})" for o, k in ov]
     return (f"### {c.name.upper()} ({c.setup})\n\n{table}\n\n" + "; ".join(verdicts) + ".\n\n"
             f"<details><summary>{c.name.upper()} stage medians of the hybridrl sides (timing_s/*, trainer rank)"
             f"</summary>\n\n" + bl.table(["side", "stage", "s"], stage_rows) + "\n\n</details>")
@@ -185,7 +191,7 @@ def section(c, runs, args, stamp: dict) -> str:
 def picture(png: str, steps: int, stream: int) -> None:
     """A short colocated run and a short split s=1 + stream run of the GRPO setup, drawn one above the other."""
     folder, traces = "/tmp/hybridrl_timeline", []
-    for label, nproc, threads, overrides in (sides(GRPO, stream)[0], sides(GRPO, stream)[2]):
+    for label, nproc, threads, overrides in sides(GRPO, [stream])[::2]:
         name = "colocated" if nproc == 1 else f"split_s1_stream{stream}"
         run_dir = os.path.join(folder, name)
         tc.run_hybridrl(run_dir, steps, overrides + [f"trainer.timeline_dir={run_dir}"], (),
@@ -202,15 +208,15 @@ def main() -> None:
     p.add_argument("--algos", default="grpo,ppo")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--stream-grpo", type=int, default=2, help="prompts per chunk (GRPO: 2 prompts = 8 rows)")
-    p.add_argument("--stream-ppo", type=int, default=8, help="prompts per chunk (PPO: 8 prompts = 8 rows)")
+    p.add_argument("--stream-grpo", default="2,0", help="prompts per chunk, one s=1 side each (2 prompts = 8 rows)")
+    p.add_argument("--stream-ppo", default="8,0", help="prompts per chunk, one s=1 side each (8 prompts = 8 rows)")
     p.add_argument("--no-trl", action="store_true", help="hybridrl sides only")
     p.add_argument("--wait-min", type=float, default=40, help="wait at most this long for a quiet machine")
     p.add_argument("--picture", help="draw docs/timeline.png instead of timing")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     if args.picture:
-        return picture(args.picture, args.steps, args.stream_grpo)
+        return picture(args.picture, args.steps, int(args.stream_grpo.split(",")[0]))
     WAIT_UNTIL[0] = time.time() + 60 * args.wait_min
     quiet = wait_quiet()
     print(quiet, flush=True)
@@ -225,7 +231,10 @@ def main() -> None:
             if trl_python and not os.path.exists(trl_python):
                 print(f"no {trl_python}: {c.name} runs without its TRL side", flush=True)
                 trl_python = None
-            parts.append(section(c, rounds(c, args, stream, trl_python), args, stamp))
+            runs = rounds(c, args, [int(m) for m in stream.split(",")], trl_python)
+            with open(os.path.join(bl.WORK, f"split_{c.name}_runs.json"), "w") as f:  # the raw figures
+                json.dump(runs, f)
+            parts.append(section(c, runs, args, stamp))
     text = ("## Split placement: split vs colocated vs TRL\n\n"
             f"Wall seconds per step (consecutive steps' log events; steps 2..{args.steps} of each run; {args.rounds} "
             "rounds of the sides in the order listed), same model, batch and 2 cores for every side. "

@@ -137,8 +137,9 @@ def pack_trajectories(trajectories: List[Trajectory], width: int, pad_id: int, s
         last_turn[r, t.last_turn_start:n] = 1.0
     counters = {name: torch.tensor([float(getattr(t, name)) for t in trajectories])
                 for name in ("turns", "calls", "errors")}
-    return AgentOutput(responses, loss_mask, log_probs, dict(stats), attention, last_turn,
-                       counters["turns"], counters["calls"], counters["errors"])
+    return AgentOutput(responses, loss_mask, log_probs, dict(stats), attention_mask=attention,
+                       last_turn_mask=last_turn, num_turns=counters["turns"], tool_calls=counters["calls"],
+                       tool_errors=counters["errors"])
 
 
 # ---- what the trainer keeps in its batch and reports ------------------------------------------------
