@@ -59,6 +59,8 @@ def test_a_signal_saves_and_the_same_command_resumes(tmp_path, sig):
     os.kill(run.pid, getattr(signal, sig))
     code, step, reason, _ = _stopped(run, tmp_path)
     assert code == 75 and reason == sig and step >= 3
+    if sig != "SIGTERM":  # the resume is the same whatever stopped the run: checked once
+        return
     resumed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
                              + _overrides(tmp_path, [f"trainer.total_training_steps={step + 1}"]),
                              capture_output=True, text=True, cwd=ROOT, timeout=180,
@@ -96,7 +98,8 @@ def test_split_run_saves_on_signal(tmp_path):
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-KILL_MOMENTS = {"start-up": ([], None), "step": ([], r"step:3 "), "sync save": (["trainer.save_freq=1"], r"step:3 "),
+# "sync save" saves every step, so a kill there lands in a step or in a save
+KILL_MOMENTS = {"start-up": ([], None), "sync save": (["trainer.save_freq=1"], r"step:3 "),
                 "async save": (["trainer.save_freq=1", "trainer.async_save=true"], r"step:3 ")}
 
 
