@@ -53,14 +53,14 @@ def others_running() -> list:
     return [p for p in ("demo_sweep", "pytest") if subprocess.run(["pgrep", "-f", p], capture_output=True).stdout]
 
 
-WAIT_UNTIL = [0.0]  # no waiting for other work after this time (main sets it from --wait-min)
+WAIT_MIN = [40.0]  # the longest wait for other work, each time (--wait-min)
 
 
-def wait_quiet(poll_s: float = 30, threshold: float = 0.7) -> str:
-    """Wait until no demo sweep or pytest runs and the 1-minute load is < threshold (until WAIT_UNTIL)."""
+def wait_quiet(threshold: float = 99.0, poll_s: float = 30) -> str:
+    """Wait until no demo sweep or pytest runs and the 1-minute load is < threshold (WAIT_MIN at most)."""
     start = time.time()
     while others_running() or load1() >= threshold:
-        if time.time() > WAIT_UNTIL[0]:
+        if time.time() - start > 60 * WAIT_MIN[0]:
             return (f"not quiet: gave up waiting after {(time.time() - start) / 60:.0f} min, load {load1():.2f}, "
                     f"running: {', '.join(others_running()) or 'nothing named'}")
         time.sleep(poll_s)
@@ -78,14 +78,13 @@ def _own_s() -> float:
 
 
 def observed(fn):
-    """fn() with the machine around it, once no demo sweep or pytest runs (or WAIT_UNTIL has passed):
-    1-minute load before, other processes' CPU (cores) during."""
-    while others_running() and time.time() < WAIT_UNTIL[0]:
-        time.sleep(30)
+    """fn() with the machine around it, once no demo sweep or pytest runs (wait_quiet): 1-minute load
+    before (our own last run counts in it), other processes' CPU (cores) during."""
+    waited = wait_quiet()
     load, busy, own, start, others = load1(), _busy_s(), _own_s(), time.time(), others_running()
     out = fn()
     foreign = (_busy_s() - busy) - (_own_s() - own)
-    return dict(out, load=load, foreign=max(foreign, 0.0) / (time.time() - start), others=others)
+    return dict(out, load=load, foreign=max(foreign, 0.0) / (time.time() - start), others=others, waited=waited)
 
 
 # ---- runs -------------------------------------------------------------------------------------
@@ -127,6 +126,8 @@ def rounds(c, args, streams, trl_python) -> list:
         print(f"{c.name} round {i + 1}: " + ", ".join(f"{k} {bl.median(v['wall_s']):.3f} s (load {v['load']:.2f})"
                                                        for k, v in row.items()), flush=True)
         out.append(row)
+        with open(os.path.join(bl.WORK, f"split_{c.name}_runs.json"), "w") as f:  # the raw figures so far
+            json.dump(out, f)
     return out
 
 
@@ -211,14 +212,14 @@ def main() -> None:
     p.add_argument("--stream-grpo", default="2,0", help="prompts per chunk, one s=1 side each (2 prompts = 8 rows)")
     p.add_argument("--stream-ppo", default="8,0", help="prompts per chunk, one s=1 side each (8 prompts = 8 rows)")
     p.add_argument("--no-trl", action="store_true", help="hybridrl sides only")
-    p.add_argument("--wait-min", type=float, default=40, help="wait at most this long for a quiet machine")
+    p.add_argument("--wait-min", type=float, default=40, help="longest wait for a quiet machine, each time")
     p.add_argument("--picture", help="draw docs/timeline.png instead of timing")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     if args.picture:
         return picture(args.picture, args.steps, int(args.stream_grpo.split(",")[0]))
-    WAIT_UNTIL[0] = time.time() + 60 * args.wait_min
-    quiet = wait_quiet()
+    WAIT_MIN[0] = args.wait_min
+    quiet = wait_quiet(threshold=0.7)
     print(quiet, flush=True)
     commit = subprocess.run(["git", "-C", bl.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", bl.ROOT, "status", "--porcelain", "src"], capture_output=True, text=True)
@@ -232,8 +233,6 @@ def main() -> None:
                 print(f"no {trl_python}: {c.name} runs without its TRL side", flush=True)
                 trl_python = None
             runs = rounds(c, args, [int(m) for m in stream.split(",")], trl_python)
-            with open(os.path.join(bl.WORK, f"split_{c.name}_runs.json"), "w") as f:  # the raw figures
-                json.dump(runs, f)
             parts.append(section(c, runs, args, stamp))
     text = ("## Split placement: split vs colocated vs TRL\n\n"
             f"Wall seconds per step (consecutive steps' log events; steps 2..{args.steps} of each run; {args.rounds} "
