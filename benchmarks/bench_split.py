@@ -1,13 +1,14 @@
 """Split placement vs colocated vs TRL: wall seconds per step on the same model, batch and 2 cores.
 
 GRPO on the setup of bench_grpo_vs_trl.py, PPO on that of bench_ppo_vs_trl.py. Sides, run in
-alternation A B C D per round: colocated (1 process, 2 threads), split s=0 (torchrun: 1 trainer
-rank + 1 rollout rank, 1 thread each), split s=1 + stream m (the same, staleness 1 and
-stream_prompts m; m = 0: whole batches), and TRL (2 threads, as the benches run it). A step is the wall clock between
-consecutive steps: hybridrl's TensorBoard events of consecutive steps (wall_time), TRL's
-consecutive on_step_end; steps 2..--steps of every run. Split runs also report, from their
-timeline.json over the same window, the overlap of the two roles (also without the weight sync, in
-which both roles are busy with the same transfer) and each role's busy share.
+alternation A B C D per round: colocated (1 process, 2 threads), split s=0 (torchrun: 1 trainer rank
++ 1 rollout rank, 1 thread each), split s=1 + stream m for each m of --stream-grpo/--stream-ppo (the
+same, staleness 1 and stream_prompts m; m = 0: whole batches), and TRL (2 threads, as the benches
+run it). A step is the wall clock between consecutive steps: hybridrl's TensorBoard events of
+consecutive steps (wall_time), TRL's consecutive on_step_end; steps 2..--steps of every run. Split
+runs also report, from their timeline.json over the same window, the overlap of the two roles (also
+without the weight sync, in which both roles are busy with the same transfer) and each role's busy
+share.
 
     .venv/bin/python benchmarks/bench_split.py [--algos grpo,ppo] [--rounds 3] [--steps 8] [--no-trl]
     .venv/bin/python benchmarks/bench_split.py --picture docs/timeline.png [--steps 5]
@@ -165,14 +166,14 @@ def section(c, runs, args, stamp: dict) -> str:
     for label, v in s.items():
         rows.append([label, f"**{v['median']:.3f}** [{min(v['rounds']):.3f}-{max(v['rounds']):.3f}]",
                      f"{v['median'] / colo:.2f}x", f"{v['median'] / trl:.2f}x" if trl else "-",
-                     f"{v['internal']:.3f}" if v["internal"] else "-", _pct(v["overlap"]), _pct(v["nosync"]), _pct(v["tb_overlap"]),
-                     _pct(v["trainer"]), _pct(v["rollout"]),
+                     f"{v['internal']:.3f}" if v["internal"] else "-", _pct(v["overlap"]), _pct(v["nosync"]),
+                     _pct(v["tb_overlap"]), _pct(v["trainer"]), _pct(v["rollout"]),
                      "-" if v["staleness"] is None else f"{v['staleness']:.2f}",
                      f"{min(v['loads']):.2f}-{max(v['loads']):.2f}", f"{v['foreign']:.2f}",
                      stamp["commit"], stamp["date"]])
     table = bl.table(["side", "wall s/step median [round medians]", "/ colocated", "/ TRL", "timing_s/step",
-                      "overlap (timeline)", "overlap w/o sync", "perf/overlap", "trainer busy", "rollout busy", "staleness", "load 1-min before",
-                      "other CPU (cores)", "commit", "date"], rows)
+                      "overlap (timeline)", "overlap w/o sync", "perf/overlap", "trainer busy", "rollout busy",
+                      "staleness", "load 1-min before", "other CPU (cores)", "commit", "date"], rows)
     stage_rows = [[label, k, f"{x:.3f}"] for label, v in s.items() for k, x in v["stages"].items()]
     best = min((v["median"], k) for k, v in s.items() if k.startswith("split"))
     verdicts = [f"split <= 0.6x colocated: best split side ({best[1]}) **{best[0] / colo:.2f}x** "
