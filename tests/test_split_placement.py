@@ -108,6 +108,8 @@ def test_one_step_off_policy(tmp_path):
     assert two["rollout/staleness/max"] == {1: 0.0, 2: 1.0, 3: 1.0}
     assert two["rollout/logprob_diff_mean"][1] < 1e-5
     assert min(two["rollout/logprob_diff_mean"][s] for s in (2, 3)) > 1e-3
+    overlap = two["perf/overlap"]  # each step's, known once the next batch brings the rollout's spans
+    assert set(overlap) == {2, 3} and all(0.0 <= v <= 1.0 for v in overlap.values()) and max(overlap.values()) > 0
 
 
 BAD = [

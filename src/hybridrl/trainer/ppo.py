@@ -128,12 +128,11 @@ class PPOTrainer:
         t.seconds["step"] = time.perf_counter() - step_start
         metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
         metrics.update(self.staleness_metrics(step))
-        if self.remote is not None:  # staleness 1: the spans of the generation that overlapped the previous
-            window = (self.timeline.at(step_start), self.timeline.at(step_start + t.seconds["step"]))
-            measured = self.last_window if self.cfg.async_training.staleness_threshold else window
-            self.last_window = window  # step arrived with this step's batch: that step's overlap is known now
-            if measured is not None:
-                metrics["perf/overlap"] = step_overlap(self.timeline, self.remote.client.spans, measured)
+        if self.remote is not None:  # the previous step's: its last rollout spans (the generation that
+            # overlapped it at staleness 1, the weight sync that ended it) arrive with this step's batch
+            if self.last_window is not None:
+                metrics["perf/overlap"] = step_overlap(self.timeline, self.remote.client.spans, self.last_window)
+            self.last_window = (self.timeline.at(step_start), self.timeline.at(step_start + t.seconds["step"]))
         metrics.update(t.metrics())
         return metrics
 
