@@ -72,7 +72,8 @@ class RolloutClient:
         self.answer = ([], [])
         """(global prompt indices, every message) of the last request: what a checkpoint keeps of it."""
         self.wait_s = 0.0
-        self.last_version, self.last_width = 0, 0
+        self.last_width = 0
+        """Response width of the last answer (an empty result of a rank with no prompts has it)."""
         self.spans = []
         """(global rank, phase, start, end) of the rollout ranks, as their answers bring them."""
         self.on_wait = None
@@ -115,7 +116,7 @@ class RolloutClient:
                 self.on_wait(start, time.perf_counter())
             self.spans += msg.pop("spans")
             self.answer[1].append(msg)
-            self.last_version, self.last_width = msg["version"], msg["out"].responses.shape[1]
+            self.last_width = msg["out"].responses.shape[1]
             yield from my_rows(msg, lo_rank, lo_rank + counts[self.groups.dp_rank])
             if msg["last"]:
                 return
@@ -369,7 +370,7 @@ class Pipeline:
     def __init__(self, client: RolloutClient, staleness: int, partial: bool = False):
         self.client, self.staleness, self.partial = client, staleness, partial
         self.held = {}
-        """key -> (output, version): answers received before their step asked for them."""
+        """key -> this rank's chunks of an answer received before its step asked for it."""
         self.owed_key = None
         self.pending = None
         """(model, version) whose weights still have to reach the engines."""
