@@ -67,15 +67,15 @@ def hf_logits(folder: str, batch: dict) -> torch.Tensor:
                      position_ids=pos).logits
 
 
-def reinit_parallel(tp: int, pp: int):
-    """Fresh megatron parallel_state with a new (tp, pp) layout inside one launch."""
+def reinit_parallel(tp: int, pp: int, ep: int = 1):
+    """Fresh megatron parallel_state with a new (tp, pp, ep) layout inside one launch."""
     from megatron.core import parallel_state as ps
 
     from hybridrl.parallel.distributed import init_model_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return init_model_parallel(tp, pp)
+    return init_model_parallel(tp, pp, ep=ep)
 
 
 def gather_vocab(local: torch.Tensor, groups) -> torch.Tensor:

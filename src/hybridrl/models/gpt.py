@@ -1,8 +1,8 @@
-"""Build a megatron-core GPTModel (Qwen2/Llama shape) for this rank's TP/PP slice.
+"""Build a megatron-core GPTModel (Qwen2/Qwen3/Llama shape, dense or MoE) for this rank's TP/PP/EP slice.
 
 `GPTSpec` holds the architecture in HF vocabulary plus the megatron layer spec it is built with;
 `build_gpt` turns it into a `TransformerConfig` + layer spec (RMSNorm, SwiGLU, RoPE, GQA, optional
-QKV bias). Layer specs: "local" (plain torch modules, explicit [B, 1, S, S] attention masks; the CPU
+QKV bias, optional per-head q/k RMSNorm, optional top-k routed SwiGLU experts in megatron's MoELayer). Layer specs: "local" (plain torch modules, explicit [B, 1, S, S] attention masks; the CPU
 path) and "te" (Transformer Engine: fused kernels, flash attention, causal masks only, layernorms
 fused into the following linear, hence other state-dict names: see `hf_convert`).
 `default_layer_spec()` picks "te" on CUDA when Transformer Engine is installed.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridrl.parallel import cpu_compat
 from hybridrl.parallel.cpu_compat import cuda_to_cpu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,12 +31,16 @@ def default_layer_spec() -> str:
     return "local"
 
 
-def transformer_layer_spec(kind: str):
+def transformer_layer_spec(kind: str, qk_norm: bool = False, num_experts: int = 0):
+    """megatron's layer spec; MoE layers use SequentialMLP experts locally, grouped GEMM with TE."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = num_experts or None
     if kind == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=qk_norm, normalization="RMSNorm")
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,32 @@ class GPTSpec:
     """Llama-3 rope scaling factor (megatron's fixed low/high frequency factors 1/4, 8192 context); 0: off."""
     layer_spec: str = "local"
     """megatron layer spec of the build, "local" or "te"; decides the state-dict names (not the maths)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head after the projection, before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense SwiGLU MLP in every layer."""
+    moe_topk: int = 0
+    """Experts each token is sent to (MoE only)."""
+    moe_intermediate_size: int = 0
+    """SwiGLU hidden size of one expert (MoE only)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Qwen3-MoE's flag; Mixtral always does)."""
+    moe_hf_names: str = "qwen3_moe"
+    """HF tensor names of router and experts: "qwen3_moe" (mlp.gate, experts.e.gate_proj) or "mixtral"."""
 
     def __post_init__(self):
         if self.layer_spec not in LAYER_SPECS:
             raise ValueError(f"layer_spec={self.layer_spec!r} is not one of {LAYER_SPECS}")
+        if self.num_experts and not 0 < self.moe_topk <= self.num_experts:
+            raise ValueError(f"moe_topk={self.moe_topk} must be in [1, num_experts={self.num_experts}]")
+        if self.moe_hf_names not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"moe_hf_names={self.moe_hf_names!r} is not one of ('qwen3_moe', 'mixtral')")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("moe_intermediate_size must be > 0 for an MoE model")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def kv_channels(self) -> int:
@@ -78,7 +105,25 @@ def for_this_machine(spec: GPTSpec) -> GPTSpec:
     return dataclasses.replace(spec, layer_spec=default_layer_spec())
 
 
-def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", **overrides):
+def moe_config(spec: GPTSpec, ep: int = 1, etp: int | None = None) -> dict:
+    """TransformerConfig fields of the routed experts (empty for a dense model).
+
+    Softmax over all experts then top-k (`pre_softmax`) is Qwen3-MoE with norm_topk_prob false;
+    top-k logits then softmax equals renormalised top-k probabilities (Qwen3-MoE true, Mixtral).
+    The router runs in fp32, no capacity limit (no token dropped), the allgather dispatcher (it runs
+    on gloo as well as nccl). The load-balancing loss is added only when its coefficient is > 0."""
+    if not spec.is_moe:
+        return {}
+    return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+                moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_pre_softmax=not spec.norm_topk_prob,
+                moe_router_score_function="softmax", moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                moe_grouped_gemm=spec.layer_spec == "te", moe_permute_fusion=False, moe_router_fusion=False,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
+def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", ep: int = 1,
+                       etp: int | None = None, **overrides):
     from megatron.core.transformer import TransformerConfig
 
     params_dtype = DTYPES[dtype]
@@ -86,7 +131,7 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", 
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
         ffn_hidden_size=spec.intermediate_size, kv_channels=spec.kv_channels,
-        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
@@ -97,21 +142,25 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", 
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, init_method_std=0.02,
+        **moe_config(spec, ep, etp),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", **config_overrides):
-    """The GPTModel chunk of pipeline stage `pp_rank` (embedding on the first, head on the last);
-    `model.layer_spec_kind` records spec.layer_spec for the forward (see models/forward.py)."""
+def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", ep: int = 1,
+              etp: int | None = None, **config_overrides):
+    """The GPTModel chunk of pipeline stage `pp_rank` (embedding on the first, head on the last; this EP
+    rank's experts); `model.layer_spec_kind` records spec.layer_spec for the forward (models/forward.py)."""
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, tp, pp, dtype, **config_overrides)
+    if spec.is_moe:
+        cpu_compat.without_transformer_engine_gemm()
+    config = transformer_config(spec, tp, pp, dtype, ep, etp, **config_overrides)
     with cuda_to_cpu():  # tied embeddings at PP>1 call .cuda() on the output copy
         model = GPTModel(
             config=config,
-            transformer_layer_spec=transformer_layer_spec(spec.layer_spec),
+            transformer_layer_spec=transformer_layer_spec(spec.layer_spec, spec.qk_norm, spec.num_experts),
             vocab_size=spec.padded_vocab_size(tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pp_rank == 0,

@@ -118,10 +118,34 @@ def load_hf_into_mcore(model, hf_folder: str, spec: GPTSpec, groups, head: str =
     """Fill this rank's TP/PP slice of `model` from an HF folder (single-file or sharded safetensors)."""
     reader = SafetensorsReader(hf_folder)
     check_checkpoint(reader, spec, head, allowed_extra)
-    state = hc.stage_state(reader, spec, groups.tp, groups.pp, groups.tp_rank, groups.pp_rank, head)
+    state = hc.stage_state(reader, spec, groups.tp, groups.pp, groups.tp_rank, groups.pp_rank, head,
+                           groups.ep, groups.ep_rank)
     if head != "lm":  # the critic keeps its own head; load only the trunk here
         state.update({k: v for k, v in weight_state(model).items() if k.startswith("output_layer.")})
     copy_into(model, state, hf_folder)
+
+
+def global_weight_state(model, spec: GPTSpec, groups) -> dict[str, torch.Tensor]:
+    """This rank's weights under global names (global layer and expert indices)."""
+    offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
+    experts = hc.expert_range(spec, groups.ep, groups.ep_rank).start if spec.is_moe else 0
+    return {hc.local_to_global(k, offset, experts): v for k, v in weight_state(model).items()}
+
+
+def _from_ep_owner(global_name: str, local: dict, spec: GPTSpec, groups, sample) -> torch.Tensor:
+    """This rank's TP shard of `global_name`; an expert held by another EP rank is broadcast from it."""
+    owner = hc.owner_ep_rank(global_name, spec, groups.ep)
+    if owner is None or groups.ep == 1:
+        return local[global_name].detach()
+    if owner == groups.ep_rank:
+        shard = local[global_name].detach().contiguous()
+    else:
+        full = hc.mcore_full_shape(global_name, spec, groups.tp)
+        dim = hc.tp_split_dim(global_name)
+        shape = tuple(n // groups.tp if d == dim else n for d, n in enumerate(full))
+        shard = torch.empty(shape, dtype=sample.dtype, device=sample.device)
+    dist.broadcast(shard, group=groups.ep_group, group_src=owner)
+    return shard
 
 
 def _gather_tp(global_name: str, shard: torch.Tensor, groups) -> torch.Tensor:
@@ -139,13 +163,12 @@ def mcore_to_hf_stream(model, spec: GPTSpec, groups, head: str = "lm") -> Iterat
     Collective: every rank of the model replica (TP x PP) must consume the stream in lockstep.
     Tied embeddings yield no lm_head.weight (the last stage's copy is a duplicate of the embedding).
     """
-    offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
-    local = {hc.local_to_global(k, offset): v for k, v in weight_state(model).items()}
+    local = global_weight_state(model, spec, groups)
     sample = next(iter(local.values()))
     for global_name in hc.hf_to_mcore_name_map(spec, head):
         owner = hc.owner_stage(global_name, spec, groups.pp)
         if groups.pp_rank == owner:
-            full = _gather_tp(global_name, local[global_name].detach(), groups)
+            full = _gather_tp(global_name, _from_ep_owner(global_name, local, spec, groups, sample), groups)
         else:  # on the model's device: the broadcast below runs on nccl with CUDA
             full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), dtype=sample.dtype,
                                device=sample.device)
@@ -185,8 +208,8 @@ def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", **config_
     `config_overrides` go to megatron's TransformerConfig (e.g. activation recomputation)."""
     cfg = as_config_dict(hf_folder_or_config)
     spec = for_this_machine(spec_from_hf_config(cfg))  # the TE layer spec on CUDA with TE installed
-    check_parallel_layout(spec, groups.tp, groups.pp)
-    model = build_gpt(spec, groups.tp, groups.pp, groups.pp_rank, dtype, **config_overrides)
+    check_parallel_layout(spec, groups.tp, groups.pp, groups.ep)
+    model = build_gpt(spec, groups.tp, groups.pp, groups.pp_rank, dtype, groups.ep, **config_overrides)
     is_folder = isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)
     if is_folder:
         load_hf_into_mcore(model, os.fspath(hf_folder_or_config), spec, groups)
@@ -195,11 +218,14 @@ def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", **config_
 
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=251, max_position_embeddings=64, initializer_range=0.1)
+_TINY_MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
 
 
 def random_hf_model_folder(folder: str, model_type: str = "qwen2", seed: int = 0, head: str = "lm",
                            max_shard_size: str | None = None, **sizes) -> str:
-    """Save a tiny random transformers Qwen2/Llama model (no downloads) and return the folder.
+    """Save a tiny random transformers model of `model_type` (qwen2, qwen3, llama, qwen3_moe, mixtral; no
+    downloads) and return the folder. MoE defaults: 4 experts, top 2, expert size 32.
 
     head: "lm" (…ForCausalLM), "score" (…ForSequenceClassification, num_labels=1, a reward model) or
     "v_head" (causal LM + TRL-style `v_head.summary.{weight,bias}`). Defaults: hidden 64, 2 layers,
@@ -210,8 +236,10 @@ def random_hf_model_folder(folder: str, model_type: str = "qwen2", seed: int = 0
     """
     import transformers
 
-    config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[model_type]
-    config = config_cls(**{**_TINY, **sizes})
+    config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                  "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+                  "mixtral": transformers.MixtralConfig}[model_type]
+    config = config_cls(**{**_TINY, **_TINY_MOE.get(model_type, {}), **sizes})
     torch.manual_seed(seed)
     auto = transformers.AutoModelForSequenceClassification if head == "score" else transformers.AutoModelForCausalLM
     if head == "score":

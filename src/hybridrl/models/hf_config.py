@@ -1,4 +1,4 @@
-"""HF `config.json` (Qwen2 / Llama families) -> `GPTSpec`, and back.
+"""HF `config.json` (Qwen2, Qwen3, Llama; Qwen3-MoE and Mixtral) -> `GPTSpec`, and back.
 
 Only configurations the megatron local spec reproduces exactly are accepted; anything else
 (sliding-window attention, unsupported rope scaling, biases megatron would place elsewhere, another
@@ -13,8 +13,11 @@ from dataclasses import asdict
 
 from hybridrl.models.gpt import GPTSpec
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # megatron's llama-3 rope scaling hard-codes these; other values would change the frequencies.
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -72,6 +75,9 @@ def _rope(cfg: dict) -> tuple[float, float]:
 
 def _check_attention(cfg: dict, model_type: str) -> bool:
     """Validate attention/MLP options; returns whether q/k/v carry a bias."""
+    if model_type == "mixtral" and cfg.get("sliding_window"):
+        raise UnsupportedConfigError("sliding_window", cfg["sliding_window"],
+                                     "sliding-window attention is not implemented; set sliding_window to null")
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         raise UnsupportedConfigError("use_sliding_window", True,
                                      f"sliding-window attention (sliding_window={cfg['sliding_window']}) "
@@ -82,15 +88,40 @@ def _check_attention(cfg: dict, model_type: str) -> bool:
     if model_type == "qwen2":
         return True  # Qwen2 always has q/k/v biases and no o_proj bias
     if cfg.get("attention_bias"):
-        raise UnsupportedConfigError("attention_bias", True, "Llama then also biases o_proj, which megatron's "
+        raise UnsupportedConfigError("attention_bias", True, "it also biases o_proj, which megatron's "
                                      "local spec only offers together with biases on every MLP linear")
     if cfg.get("mlp_bias"):
         raise UnsupportedConfigError("mlp_bias", True, "MLP biases are not supported")
     return False
 
 
+def _moe_fields(cfg: dict, model_type: str) -> dict:
+    """GPTSpec's expert fields of a Qwen3-MoE or Mixtral config (empty for a dense family)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    if model_type == "qwen3_moe":
+        if cfg.get("mlp_only_layers"):
+            raise UnsupportedConfigError("mlp_only_layers", cfg["mlp_only_layers"],
+                                         "dense layers between MoE layers are not supported; every layer must be MoE")
+        if cfg.get("decoder_sparse_step", 1) != 1:
+            raise UnsupportedConfigError("decoder_sparse_step", cfg["decoder_sparse_step"],
+                                         "only 1 (every layer MoE) is supported")
+        experts, size = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg["moe_intermediate_size"]
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+    else:
+        if cfg.get("router_jitter_noise"):
+            raise UnsupportedConfigError("router_jitter_noise", cfg["router_jitter_noise"],
+                                         "router jitter is not reproduced; set it to 0.0")
+        experts, size, norm_topk = cfg["num_local_experts"], cfg["intermediate_size"], True
+    if cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedConfigError("shared_expert_intermediate_size", cfg["shared_expert_intermediate_size"],
+                                     "shared experts are not supported")
+    return dict(num_experts=int(experts), moe_topk=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(size), norm_topk_prob=norm_topk, moe_hf_names=model_type)
+
+
 def spec_from_hf_config(config) -> GPTSpec:
-    """GPTSpec for a Qwen2/Llama config (dict, path or PretrainedConfig); raises on what it cannot map."""
+    """GPTSpec for a supported config (dict, path or PretrainedConfig); raises on what it cannot map."""
     cfg = as_config_dict(config)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -110,26 +141,44 @@ def spec_from_hf_config(config) -> GPTSpec:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), qkv_bias=qkv_bias,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=0 if head_dim * heads == cfg["hidden_size"] else head_dim,
-        rope_scaling_factor=scaling)
+        rope_scaling_factor=scaling, qk_norm=model_type in QK_NORM_MODEL_TYPES, **_moe_fields(cfg, model_type))
 
 
-def check_parallel_layout(spec: GPTSpec, tp: int, pp: int) -> None:
-    """Fail early, with the fix, on a TP/PP layout megatron would reject deep inside its init."""
+def check_parallel_layout(spec: GPTSpec, tp: int, pp: int, ep: int = 1) -> None:
+    """Fail early, with the fix, on a TP/PP/EP layout megatron would reject deep inside its init."""
+    if ep > 1 and not spec.is_moe:
+        raise ValueError(f"expert_model_parallel_size={ep} needs an MoE model; this one is dense: set it to 1")
+    if spec.is_moe and spec.num_experts % ep:
+        raise ValueError(f"num_experts={spec.num_experts} is not divisible by expert_model_parallel_size={ep}")
+    if spec.is_moe and spec.moe_intermediate_size % tp:
+        raise ValueError(f"moe_intermediate_size={spec.moe_intermediate_size} is not divisible by tp={tp} "
+                         "(experts are split over TP)")
     if spec.num_key_value_heads % tp:
         raise ValueError(f"num_key_value_heads={spec.num_key_value_heads} is not divisible by tp={tp}: "
                          "megatron splits whole query groups over TP; choose tp dividing it")
     if spec.num_attention_heads % tp:
         raise ValueError(f"num_attention_heads={spec.num_attention_heads} is not divisible by tp={tp}")
-    if spec.intermediate_size % tp:
+    if not spec.is_moe and spec.intermediate_size % tp:
         raise ValueError(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
     if spec.num_layers % pp:
         raise ValueError(f"num_hidden_layers={spec.num_layers} is not divisible by pp={pp}")
 
 
-def hf_config_from_spec(spec: GPTSpec, model_type: str = "qwen2", dtype: str = "float32") -> dict:
-    """A config.json dict that transformers builds the same architecture from (for export)."""
+def model_type_of(spec: GPTSpec) -> str:
+    """The HF family a spec exports as: the MoE naming, qwen3 (q/k norms), qwen2 (q/k/v biases) or llama."""
+    if spec.is_moe:
+        return spec.moe_hf_names
+    return "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama"
+
+
+def hf_config_from_spec(spec: GPTSpec, model_type: str | None = None, dtype: str = "float32") -> dict:
+    """A config.json dict that transformers builds the same architecture from (for export);
+    model_type defaults to `model_type_of(spec)`."""
+    model_type = model_type or model_type_of(spec)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedConfigError("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type in MOE_MODEL_TYPES + QK_NORM_MODEL_TYPES and model_type != model_type_of(spec):
+        raise UnsupportedConfigError("model_type", model_type, f"the model is a {model_type_of(spec)}")
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.rope_scaling_factor:
         rope = dict(rope, rope_type="llama3", factor=spec.rope_scaling_factor, **LLAMA3_ROPE_FIXED)
@@ -141,9 +190,18 @@ def hf_config_from_spec(spec: GPTSpec, model_type: str = "qwen2", dtype: str = "
         max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
         tie_word_embeddings=spec.tie_word_embeddings, head_dim=spec.kv_channels,
         rope_parameters=rope, rope_theta=spec.rope_theta, dtype=dtype)
-    if model_type == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    elif not spec.qkv_bias:
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk, decoder_sparse_step=1,
+                   moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=spec.norm_topk_prob,
+                   mlp_only_layers=[], router_aux_loss_coef=0.0)
+    elif model_type == "mixtral":
+        cfg.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk,
+                   intermediate_size=spec.moe_intermediate_size, router_jitter_noise=0.0, sliding_window=None,
+                   router_aux_loss_coef=0.0)
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        cfg.update(attention_bias=False, use_sliding_window=False, **({"mlp_bias": False} if model_type == "llama"
+                                                                      else {}))
+    elif model_type == "qwen2" and not spec.qkv_bias:
         raise UnsupportedConfigError("qkv_bias", False, "Qwen2 always has q/k/v biases; export as llama")
     return cfg
 

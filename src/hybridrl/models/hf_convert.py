@@ -20,6 +20,14 @@ it, so two names differ (megatron's own local->TE map, `sharded_state_dict_keys_
   decoder.layers.i.input_layernorm.weight   -> decoder.layers.i.self_attention.linear_qkv.layer_norm_weight
   decoder.layers.i.pre_mlp_layernorm.weight -> decoder.layers.i.mlp.linear_fc1.layer_norm_weight
 Both stay replicated over TP; everything else is named and laid out as above.
+Qwen3 adds per-head q/k RMSNorms (replicated): self_attention.{q,k}_layernorm.weight <- self_attn.{q,k}_norm.weight.
+MoE layers (Qwen3-MoE, Mixtral; `spec.num_experts` > 0) replace the two MLP tensors by the router
+(mlp.router.weight [E, H], replicated <- mlp.gate / block_sparse_moe.gate) and, per expert e, the same
+fused fc1 / fc2 pair (<- experts.e.{gate,up,down}_proj, Mixtral experts.e.{w1,w3,w2}) named
+mlp.experts.local_experts.e.linear_fc{1,2}.weight (local spec; TE's grouped experts:
+mlp.experts.linear_fc{1,2}.weight<e>, its pre-MLP norm unfused). Expert tensors are split over TP as the
+dense MLP is (expert TP = TP). Global names carry the global expert index; an EP rank holds experts
+[r*E/ep, (r+1)*E/ep) under local indices from 0, as pipeline stages hold layers.
 """
 from __future__ import annotations
 
@@ -46,6 +54,58 @@ _LAYER_MAP = {
 _TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _LAYER_MAPS = {"local": _LAYER_MAP, "te": {_TE_NORMS.get(k, k): v for k, v in _LAYER_MAP.items()}}
+_QK_NORMS = {"self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
+             "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",)}
+# HF names of the router and of one expert's (gate, up, down) in the two MoE families
+_MOE_HF = {"qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+           "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2"))}
+_EXPERT = re.compile(r"^(.*mlp\.experts\.)(local_experts\.(\d+)\.(linear_fc[12]\.weight)|(linear_fc[12]\.weight)(\d+))$")
+ROUTER = "mlp.router.weight"
+
+
+def _expert_key(spec: GPTSpec, e: int, fc: str) -> str:
+    return f"mlp.experts.linear_{fc}.weight{e}" if spec.layer_spec == "te" else \
+        f"mlp.experts.local_experts.{e}.linear_{fc}.weight"
+
+
+def _layer_map(spec: GPTSpec, experts: range | None = None) -> dict[str, tuple[str, ...]]:
+    """Per-layer megatron suffix -> HF suffixes for `spec` (MoE: experts `experts`, default all)."""
+    base = _LAYER_MAPS[spec.layer_spec]
+    out = {k: v for k, v in base.items() if spec.qkv_bias or not k.endswith("linear_qkv.bias")}
+    if spec.qk_norm:
+        out.update(_QK_NORMS)
+    if not spec.is_moe:
+        return out
+    # the pre-MLP norm is its own module in front of the router (TE fuses it only into a dense fc1)
+    out = {("pre_mlp_layernorm.weight" if k == _TE_NORMS["pre_mlp_layernorm.weight"] else k): v
+           for k, v in out.items() if k not in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")}
+    router, expert, (gate, up, down) = _MOE_HF[spec.moe_hf_names]
+    out[ROUTER] = (router,)
+    for e in experts if experts is not None else range(spec.num_experts):
+        hf = expert.format(e=e)
+        out[_expert_key(spec, e, "fc1")] = (f"{hf}{gate}.weight", f"{hf}{up}.weight")
+        out[_expert_key(spec, e, "fc2")] = (f"{hf}{down}.weight",)
+    return out
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index in a megatron expert tensor's name (None: not an expert tensor)."""
+    m = _EXPERT.match(name)
+    return None if not m else int(m.group(3) if m.group(3) is not None else m.group(6))
+
+
+def expert_range(spec: GPTSpec, ep: int, ep_rank: int) -> range:
+    """Global experts held by expert-parallel rank `ep_rank`."""
+    if spec.num_experts % ep:
+        raise ValueError(f"num_experts={spec.num_experts} is not divisible by expert_model_parallel_size={ep}")
+    per = spec.num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def owner_ep_rank(global_name: str, spec: GPTSpec, ep: int) -> int | None:
+    """The EP rank holding an expert tensor; None for everything else (replicated over EP)."""
+    e = expert_index(global_name)
+    return None if e is None else e // (spec.num_experts // ep)
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM, OUTPUT = "decoder.final_layernorm.weight", "output_layer.weight"
 HF_EMBEDDING, HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -87,17 +147,26 @@ def layer_range(num_layers: int, pp: int, pp_rank: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def _shift_layer(name: str, delta: int) -> str:
+def _shift_expert(name: str, delta: int) -> str:
+    m = _EXPERT.match(name)
+    if not m or not delta:
+        return name
+    if m.group(3) is not None:
+        return f"{m.group(1)}local_experts.{int(m.group(3)) + delta}.{m.group(4)}"
+    return f"{m.group(1)}{m.group(5)}{int(m.group(6)) + delta}"
+
+
+def _shift_layer(name: str, delta: int, expert_delta: int = 0) -> str:
     m = _LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) + delta}.{m.group(2)}" if m else name
+    return _shift_expert(f"decoder.layers.{int(m.group(1)) + delta}.{m.group(2)}", expert_delta) if m else name
 
 
-def local_to_global(name: str, layer_offset: int) -> str:
-    return _shift_layer(name, layer_offset)
+def local_to_global(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    return _shift_layer(name, layer_offset, expert_offset)
 
 
-def global_to_local(name: str, layer_offset: int) -> str:
-    return _shift_layer(name, -layer_offset)
+def global_to_local(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    return _shift_layer(name, -layer_offset, -expert_offset)
 
 
 def owner_stage(global_name: str, spec: GPTSpec, pp: int) -> int:
@@ -108,12 +177,17 @@ def owner_stage(global_name: str, spec: GPTSpec, pp: int) -> int:
     return 0 if global_name == EMBEDDING else pp - 1
 
 
-def stage_names(spec: GPTSpec, pp: int, pp_rank: int, head: str = "lm") -> list[tuple[str, str]]:
-    """(local, global) megatron names of the weights on stage `pp_rank`; head "lm" or "none" (trunk)."""
-    layer_keys = [k for k in _LAYER_MAPS[spec.layer_spec] if spec.qkv_bias or not k.endswith("linear_qkv.bias")]
+def stage_names(spec: GPTSpec, pp: int, pp_rank: int, head: str = "lm", ep: int = 1,
+                ep_rank: int = 0) -> list[tuple[str, str]]:
+    """(local, global) megatron names of the weights on stage `pp_rank` and expert-parallel rank `ep_rank`;
+    head "lm" or "none" (trunk)."""
     rng = layer_range(spec.num_layers, pp, pp_rank)
+    experts = expert_range(spec, ep, ep_rank) if spec.is_moe else None
+    layer_keys = list(_layer_map(spec, experts))
+    shift = experts.start if experts else 0
     names = [(EMBEDDING, EMBEDDING)] if pp_rank == 0 else []
-    names += [(f"decoder.layers.{i - rng.start}.{k}", f"decoder.layers.{i}.{k}") for i in rng for k in layer_keys]
+    names += [(global_to_local(f"decoder.layers.{i}.{k}", rng.start, shift), f"decoder.layers.{i}.{k}")
+              for i in rng for k in layer_keys]
     if pp_rank == pp - 1:
         names.append((FINAL_NORM, FINAL_NORM))
         # tied at PP=1: the head reuses the embedding; at PP>1 the last stage keeps its own copy
@@ -128,7 +202,9 @@ def hf_sources(global_name: str, spec: GPTSpec) -> tuple[str, ...]:
         return (HF_EMBEDDING,)
     if global_name in _TOP_MAP:
         return _TOP_MAP[global_name]
-    m, layer_map = _LAYER.match(global_name), _LAYER_MAPS[spec.layer_spec]
+    m = _LAYER.match(global_name)
+    e = expert_index(global_name)
+    layer_map = _layer_map(spec, range(e, e + 1) if e is not None else range(0))
     if not m or m.group(2) not in layer_map:
         raise KeyError(f"no HF counterpart for megatron tensor {global_name!r} ({spec.layer_spec} layer spec)")
     return tuple(f"model.layers.{m.group(1)}.{s}" for s in layer_map[m.group(2)])
@@ -153,6 +229,17 @@ def hf_shapes(spec: GPTSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
                  "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
                  "mlp.gate_proj.weight": (i_size, h), "mlp.up_proj.weight": (i_size, h),
                  "mlp.down_proj.weight": (h, i_size)}
+    if spec.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if spec.is_moe:
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
+        router, expert, (gate, up, down) = _MOE_HF[spec.moe_hf_names]
+        per_layer[router] = (spec.num_experts, h)
+        m_size = spec.moe_intermediate_size
+        for e in range(spec.num_experts):
+            hf = expert.format(e=e)
+            per_layer.update({f"{hf}{gate}.weight": (m_size, h), f"{hf}{up}.weight": (m_size, h),
+                              f"{hf}{down}.weight": (h, m_size)})
     if spec.qkv_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
@@ -212,6 +299,13 @@ def mcore_full_shape(global_name: str, spec: GPTSpec, tp: int = 1) -> tuple[int,
     qkv = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * d
     if is_vocab_tensor(global_name):
         return (spec.padded_vocab_size(tp), h)
+    if global_name.endswith(ROUTER):
+        return (spec.num_experts, h)
+    if global_name.endswith("layernorm.weight") and "_attention." in global_name:  # q/k norm: per head
+        return (d,)
+    if expert_index(global_name) is not None:
+        m_size = spec.moe_intermediate_size
+        return (2 * m_size, h) if _is_fc1(global_name) else (h, m_size)
     suffix = {"linear_qkv.weight": (qkv, h), "linear_qkv.bias": (qkv,),
               "linear_proj.weight": (h, spec.num_attention_heads * d),
               "linear_fc1.weight": (2 * spec.intermediate_size, h),
@@ -224,11 +318,16 @@ def mcore_full_shape(global_name: str, spec: GPTSpec, tp: int = 1) -> tuple[int,
 
 # ---- TP split / merge ------------------------------------------------------------------------------
 
+def _is_fc1(name: str) -> bool:
+    return name.endswith("linear_fc1.weight") or (expert_index(name) is not None and "linear_fc1.weight" in name)
+
+
 def tp_split_dim(name: str) -> int | None:
     """Dim a megatron tensor is partitioned along over TP (column-parallel 0, row-parallel 1), None: replicated."""
-    if is_vocab_tensor(name) or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
+    if is_vocab_tensor(name) or _is_fc1(name) or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return 0
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")) or \
+            (expert_index(name) is not None and "linear_fc2.weight" in name):
         return 1
     return None
 
@@ -240,7 +339,7 @@ def split_for_tp(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.
         return full
     if full.shape[dim] % tp:
         raise ValueError(f"{name}: dim {dim} of shape {tuple(full.shape)} is not divisible by tp={tp}")
-    if name.endswith("linear_fc1.weight"):  # each rank holds [gate_shard; up_shard]
+    if _is_fc1(name):  # each rank holds [gate_shard; up_shard]
         gate, up = unfuse_gate_up(full)
         return fuse_gate_up(gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank])
     return full.chunk(tp, dim=dim)[tp_rank]
@@ -251,7 +350,7 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     dim = tp_split_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if name.endswith("linear_fc1.weight"):
+    if _is_fc1(name):
         halves = [unfuse_gate_up(s) for s in shards]
         return fuse_gate_up(torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves]))
     return torch.cat(shards, dim=dim)
@@ -348,7 +447,7 @@ def _dtype(reader, name):
 
 
 def stage_state(reader: TensorReader, spec: GPTSpec, tp: int, pp: int, tp_rank: int, pp_rank: int,
-                head: str = "lm") -> dict[str, torch.Tensor]:
-    """{local megatron name: shard} for one (tp_rank, pp_rank), read lazily from an HF `reader`."""
+                head: str = "lm", ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """{local megatron name: shard} for one (tp_rank, pp_rank, ep_rank), read lazily from an HF `reader`."""
     return {local: read_shard(glob, reader, spec, tp, tp_rank)
-            for local, glob in stage_names(spec, pp, pp_rank, head)}
+            for local, glob in stage_names(spec, pp, pp_rank, head, ep, ep_rank)}

@@ -17,6 +17,7 @@ Patches (verified against megatron-core 0.16.1, torch 2.13.0 CPU):
    maps "cuda" devices to CPU, entered only around schedule calls and DDP construction (it costs
    ~25% of a tiny model's forward, so the rollout's plain forwards run without it), and a no-op
    synchronize.
+`without_transformer_engine_gemm()` (MoE router without Transformer Engine) applies on CUDA too.
 `standing_in_for_cuda(device)` makes another device take CUDA's place in 1 and 4 (the CPU otherwise):
 tests/virtual_device.py uses it to emulate an accelerator whose tensors must never meet host tensors.
 """
@@ -134,3 +135,13 @@ def cuda_to_cpu():
         return
     with CudaToCpuMode():
         yield
+
+
+def without_transformer_engine_gemm() -> None:
+    """megatron-core 0.16.1's MoE router reads `moe_utils.te_general_gemm`, a name bound only when
+    Transformer Engine imports (NameError otherwise, CPU or GPU): bind it to None, the value that
+    selects the plain torch matmul. Does nothing where TE bound it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -155,6 +155,10 @@ class ParallelGroups:
     mp_group: object  # tp x pp: one model replica
     device: torch.device = torch.device("cpu")
     """Where this process's batch tensors live and its collectives run (`run_device()`)."""
+    ep: int = 1
+    """Expert parallel size: MoE experts are split over `ep` ranks of the data-parallel dimension."""
+    ep_rank: int = 0
+    ep_group: object = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -165,13 +169,15 @@ class ParallelGroups:
         return self.pp_rank == self.pp - 1
 
 
-def init_model_parallel(tp: int, pp: int, seed: int = 1234) -> ParallelGroups:
-    """megatron-core parallel_state with TP and PP (DP derived), seeded RNG tracker."""
+def init_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1) -> ParallelGroups:
+    """megatron-core parallel_state with TP, PP and expert parallel EP (DP derived), seeded RNG tracker.
+    Expert TP is TP (megatron's default)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_groups()
 
@@ -184,7 +190,9 @@ def current_groups() -> ParallelGroups:
         dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(), device=run_device())
+        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(), device=run_device(),
+        ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(check_initialized=False))
 
 
 def destroy() -> None:

@@ -93,9 +93,8 @@ def load_weights_on_worker(worker, weights, spec: GPTSpec, tp: int, tp_rank: int
 def dummy_model_folder(spec: GPTSpec, dtype: str = "bfloat16") -> str:
     """A folder with only config.json for `spec`: vLLM builds the architecture, weights come later."""
     folder = tempfile.mkdtemp(prefix="hybridrl_vllm_")
-    model_type = "qwen2" if spec.qkv_bias else "llama"
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config_from_spec(spec, model_type, dtype), f, indent=2)
+        json.dump(hf_config_from_spec(spec, dtype=dtype), f, indent=2)
     return folder
 
 
