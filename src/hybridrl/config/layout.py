@@ -20,6 +20,8 @@ class ModelDims:
     num_key_value_heads: int
     hidden_size: int
     vocab_size: int
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model."""
 
 
 def model_dims(model: ModelConfig, vocab_size: int = 0, allow_missing_path: bool = False) -> ModelDims:
@@ -29,15 +31,16 @@ def model_dims(model: ModelConfig, vocab_size: int = 0, allow_missing_path: bool
     size config planned away from the cluster), use the config fields instead of failing."""
     if not model.path or (allow_missing_path and not os.path.exists(model.path)):
         return ModelDims(model.num_layers, model.num_attention_heads, model.num_key_value_heads,
-                         model.hidden_size, model.vocab_size or vocab_size)
+                         model.hidden_size, model.vocab_size or vocab_size, model.num_experts if model.is_moe else 0)
     cfg_path = os.path.join(model.path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"model.path='{model.path}' has no config.json; point it at an HF model folder")
     with open(cfg_path) as f:
         hf = json.load(f)
     heads = hf["num_attention_heads"]
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
     return ModelDims(hf["num_hidden_layers"], heads, hf.get("num_key_value_heads", heads),
-                     hf["hidden_size"], hf["vocab_size"])
+                     hf["hidden_size"], hf["vocab_size"], experts)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class Layout:
     critic_pp: int = 0
     critic_dp: int = 0
     """The critic's own TP / PP / DP when it has ranks of its own."""
+    ep: int = 1
+    """Expert parallel size of the training models (a divisor of dp)."""
 
     @property
     def split(self) -> bool:
@@ -78,7 +83,8 @@ class Layout:
                   if c else "")
         where = (f"split: ranks 0-{t - 1} train, {critic}{t + c}-{self.world_size - 1} generate "
                  f"({self.rollout_world_size // self.rollout_tp} engines) " if self.split else "")
-        return (f"{where}world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} rollout_tp={self.rollout_tp} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"{where}world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp}{ep} rollout_tp={self.rollout_tp} "
                 f"samples/step={self.samples_per_step} ({self.samples_per_step_per_dp} per DP rank)")
 
 
@@ -119,6 +125,21 @@ def model_parallel_sizes(cfg: Config, world_size: int, dims: ModelDims) -> tuple
              f"num_layers={dims.num_layers} is not divisible by parallel.pipeline_model_parallel_size={pp}; "
              f"pick a PP that divides the layers")
     return tp, pp, world_size // (tp * pp)
+
+
+def expert_parallel_size(cfg: Config, dims: ModelDims, tp: int, dp: int) -> int:
+    """EP of the training models, after checking it against the model and the layout."""
+    ep = cfg.parallel.expert_model_parallel_size
+    _require(ep == 1 or dims.num_experts, f"parallel.expert_model_parallel_size={ep} needs an MoE model "
+                                          "(model.architecture qwen3_moe or mixtral, or such a model.path); set it to 1")
+    _require(not dims.num_experts or dims.num_experts % ep == 0,
+             f"num_experts={dims.num_experts} is not divisible by parallel.expert_model_parallel_size={ep}")
+    _require(dp % ep == 0, f"parallel.expert_model_parallel_size={ep} must divide the data-parallel size dp={dp} "
+                           "(experts are split over data-parallel ranks); launch more processes or lower it")
+    _require(not dims.num_experts or tp == 1,
+             f"MoE training at parallel.tensor_model_parallel_size={tp} needs sequence parallelism, which this build "
+             "does not run; use tensor_model_parallel_size=1 and scale with parallel.expert_model_parallel_size")
+    return ep
 
 
 def split_ranks(cfg: Config, world_size: int) -> int:
@@ -188,6 +209,10 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     k = split_ranks(cfg, world_size)
     ctp, cpp, cdp = critic_sizes(cfg, dims)
     tp, pp, dp = model_parallel_sizes(cfg, world_size - k - cfg.placement.critic_world_size, dims)
+    ep = expert_parallel_size(cfg, dims, tp, dp)
+    _require(ep == 1 or not cfg.placement.critic_world_size,
+             "parallel.expert_model_parallel_size > 1 with placement.critic_world_size > 0 is not supported; "
+             "train the critic with the actor (critic_world_size=0)")
     rtp = cfg.rollout.tensor_model_parallel_size
     engine_world = k or world_size
     _require(engine_world % rtp == 0 and dims.num_key_value_heads % rtp == 0 and dims.num_attention_heads % rtp == 0,
@@ -202,6 +227,10 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
              f"data.train_batch_size * rollout.n = {samples} is not divisible by dp={dp}; "
              f"make the batch a multiple of the data-parallel size")
     batching = resolve_batching(cfg)  # also checks the token budgets
+    _require(ep == 1 or not any(b.dynamic for b in vars(batching).values()),
+             "use_dynamic_bsz packs each rank's rows into its own number of micro-batches, but expert-parallel ranks "
+             "must forward in lockstep; with parallel.expert_model_parallel_size > 1 set actor/critic/ref "
+             "use_dynamic_bsz=false")
     actor_mb = _check_mini_batches("actor", cfg.actor.ppo_mini_batch_size,
                                    cfg.actor.ppo_micro_batch_size_per_gpu, cfg, dp, batching.actor_update.dynamic)
     critic_mb = actor_mb
@@ -212,4 +241,4 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     _require(not cdp or samples % cdp == 0, f"data.train_batch_size * rollout.n = {samples} is not divisible by the "
                                             f"critic's dp={cdp}; change placement.critic_world_size or the batch")
     return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb, k,
-                  cfg.placement.critic_world_size, ctp, cpp, cdp)
+                  cfg.placement.critic_world_size, ctp, cpp, cdp, ep)

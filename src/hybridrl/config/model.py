@@ -44,12 +44,16 @@ class DataConfig:
         one_of("data.truncation", self.truncation, ("left", "right", "error"))
 
 
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
     """HF folder with config.json (+ safetensors); empty: build from the fields below, random init."""
     architecture: str = "qwen2"
-    """Family used when path is empty: qwen2 or llama."""
+    """Family used when path is empty: qwen2, qwen3, llama, or the MoE families qwen3_moe and mixtral."""
     hidden_size: int = 64
     """Width of the residual stream (path empty)."""
     num_layers: int = 2
@@ -74,9 +78,24 @@ class ModelConfig:
     """Seed of the random init when path is empty."""
     params_dtype: str = "float32"
     """float32, bfloat16 or float16 for parameters and compute."""
+    num_experts: int = 8
+    """Routed experts per layer (path empty, MoE architectures)."""
+    moe_topk: int = 2
+    """Experts per token (path empty, MoE architectures)."""
+    moe_intermediate_size: int = 64
+    """SwiGLU hidden size of one expert (path empty, MoE architectures)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights (path empty, qwen3_moe; mixtral always does)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture in MOE_ARCHITECTURES
 
     def __post_init__(self):
-        one_of("model.architecture", self.architecture, ("qwen2", "llama"))
+        one_of("model.architecture", self.architecture, ARCHITECTURES)
+        check(not self.is_moe or 0 < self.moe_topk <= self.num_experts,
+              "model.moe_topk must be in [1, model.num_experts]")
+        check(not self.is_moe or self.moe_intermediate_size > 0, "model.moe_intermediate_size must be > 0")
         one_of("model.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
         check(self.num_layers > 0 and self.hidden_size > 0, "model sizes must be > 0")
         check(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0,
@@ -97,7 +116,15 @@ class ParallelConfig:
     """Memory of one accelerator; the layout planner refuses plans that do not fit."""
     recompute_activations: bool = False
     """Full activation recomputation in the actor/critic backward (saves memory, costs a forward)."""
+    expert_model_parallel_size: int = 1
+    """EP: MoE experts split over this many ranks of the data-parallel dimension (dp must be a multiple)."""
+    expert_tensor_parallel_size: int = 0
+    """ETP: TP of each expert; 0 means tensor_model_parallel_size (the only value supported)."""
 
     def __post_init__(self):
+        check(self.expert_model_parallel_size >= 1, "parallel.expert_model_parallel_size must be >= 1")
+        check(self.expert_tensor_parallel_size in (0, self.tensor_model_parallel_size),
+              f"parallel.expert_tensor_parallel_size={self.expert_tensor_parallel_size}: experts are split over TP "
+              f"like the dense MLP; set it to 0 or to tensor_model_parallel_size={self.tensor_model_parallel_size}")
         check(self.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size must be >= 1")
         check(self.pipeline_model_parallel_size >= 1, "parallel.pipeline_model_parallel_size must be >= 1")

@@ -99,8 +99,14 @@ class ActorConfig:
     """Token budget of one old-log-prob micro-batch."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What to move to CPU during rollout."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE load-balancing loss weight (megatron's moe_aux_loss_coeff); 0 for RL, as verl and slime default."""
+    router_replay: str = "off"
+    """MoE routing replay: off, or rollout (log-prob and update forwards use the experts the rollout chose)."""
 
     def __post_init__(self):
+        check(self.moe_aux_loss_coeff >= 0, "actor.moe_aux_loss_coeff must be >= 0")
+        one_of("actor.router_replay", self.router_replay, ("off", "rollout"))
         check(self.ppo_max_token_len_per_gpu > 0 and self.log_prob_max_token_len_per_gpu > 0,
                "actor.ppo_max_token_len_per_gpu and actor.log_prob_max_token_len_per_gpu must be > 0")
         check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c must be > 1")

@@ -25,7 +25,9 @@ from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spe
 REWARD_HEADS = (("score.weight", "score.bias"), ("v_head.summary.weight", "v_head.summary.bias"),
                 ("v_head.weight", "v_head.bias"))
 HEAD_WEIGHT, HEAD_BIAS = "output_layer.value_head.weight", "output_layer.value_head.bias"
-SEQ_CLS_ARCHITECTURES = {"qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification"}
+SEQ_CLS_ARCHITECTURES = {"qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
+                         "qwen3": "Qwen3ForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification",
+                         "mixtral": "MixtralForSequenceClassification"}
 
 
 class ValueHead(torch.nn.Module):
@@ -46,12 +48,12 @@ class ValueHead(torch.nn.Module):
 
 
 def build_critic(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", seed: int = 0,
-                 **config_overrides):
+                 ep: int = 1, **config_overrides):
     """A GPTModel chunk whose last stage ends in a ValueHead (untied: the critic has no LM head)."""
     if config_overrides.get("sequence_parallel"):
         raise ValueError("the critic's replicated value head needs sequence_parallel=False")
     trunk_spec = dataclasses.replace(spec, tie_word_embeddings=False)
-    model = build_gpt(trunk_spec, tp, pp, pp_rank, dtype, **config_overrides)
+    model = build_gpt(trunk_spec, tp, pp, pp_rank, dtype, ep, **config_overrides)
     if model.post_process:
         head = ValueHead(spec.hidden_size, model.config.params_dtype, seed, model.config.init_method_std)
         model.output_layer = head.to(next(model.parameters()).device)
@@ -95,8 +97,8 @@ def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: in
     """
     cfg = as_config_dict(hf_folder_or_config)
     spec = for_this_machine(spec_from_hf_config(cfg))
-    check_parallel_layout(spec, groups.tp, groups.pp)
-    model = build_critic(spec, groups.tp, groups.pp, groups.pp_rank, dtype, seed, **config_overrides)
+    check_parallel_layout(spec, groups.tp, groups.pp, groups.ep)
+    model = build_critic(spec, groups.tp, groups.pp, groups.pp_rank, dtype, seed, groups.ep, **config_overrides)
     if not (isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)):
         return model, spec, None
     folder = os.fspath(hf_folder_or_config)

@@ -156,6 +156,8 @@ def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float
 
     if spec.is_moe:
         cpu_compat.without_transformer_engine_gemm()
+    else:  # a role's MoE options (aux loss, routing replay) mean nothing to a dense model
+        config_overrides = {k: v for k, v in config_overrides.items() if not k.startswith("moe_")}
     config = transformer_config(spec, tp, pp, dtype, ep, etp, **config_overrides)
     with cuda_to_cpu():  # tied embeddings at PP>1 call .cuda() on the output copy
         model = GPTModel(

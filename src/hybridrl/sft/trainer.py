@@ -102,7 +102,7 @@ def sft_loader(cfg: Config, tokenizer, groups):
 
 
 def _setup(cfg: Config):
-    from hybridrl.config.layout import model_dims, model_parallel_sizes
+    from hybridrl.config.layout import expert_parallel_size, model_dims, model_parallel_sizes
     from hybridrl.log import setup_logging
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
     from hybridrl.tokenizer import load_tokenizer
@@ -111,8 +111,9 @@ def _setup(cfg: Config):
     le = init_distributed()
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    tp, pp, _ = model_parallel_sizes(cfg, le.world_size, model_dims(cfg.model, tokenizer.vocab_size))
-    groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed)
+    dims = model_dims(cfg.model, tokenizer.vocab_size)
+    tp, pp, dp = model_parallel_sizes(cfg, le.world_size, dims)
+    groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed, ep=expert_parallel_size(cfg, dims, tp, dp))
     return le, tokenizer, groups, sft_loader(cfg, tokenizer, groups)
 
 

@@ -98,7 +98,7 @@ def setup_run(cfg: Config):
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
-    groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed)
+    groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed, ep=layout.ep)
     if le.rank == 0:
         ensure_synthetic_data(cfg.data)
     dist.barrier()
@@ -188,7 +188,8 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     from hybridrl.trainer.roles import build_roles
 
     tc = cfg.trainer
-    ckpt = CheckpointManager(tc.default_local_dir, tc.max_ckpt_to_keep)
+    ckpt = CheckpointManager(tc.default_local_dir, {"actor": tc.max_actor_ckpt_to_keep,
+                                                    "critic": tc.max_critic_ckpt_to_keep})
     resume_from = None if dry_run else ckpt.resolve(tc.resume_mode)  # a bad path fails before any model is built
     print0(to_yaml(cfg))
     print0(f"layout: {layout.describe()}")

@@ -56,6 +56,7 @@ def init_model_folder(cfg: Config, vocab_size: int) -> str:
                   num_key_value_heads=m.num_key_value_heads, vocab_size=m.vocab_size or vocab_size,
                   max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
                   rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings, initializer_range=0.02)
+    fields.update(_family_fields(m))
     record = {"architecture": m.architecture, **fields}
     record_path = os.path.join(folder, INIT_RECORD)
     if dist.get_rank() == 0 and _read_json(record_path) != record:
@@ -68,6 +69,18 @@ def init_model_folder(cfg: Config, vocab_size: int) -> str:
 
 
 INIT_RECORD = "hybridrl_init.json"
+
+
+def _family_fields(m) -> dict:
+    """Config fields only some families have: Qwen3's explicit head_dim, the experts of the MoE ones."""
+    out = {"head_dim": m.hidden_size // m.num_attention_heads} if m.architecture.startswith("qwen3") else {}
+    if m.architecture == "qwen3_moe":
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.moe_topk, norm_topk_prob=m.norm_topk_prob,
+                   moe_intermediate_size=m.moe_intermediate_size)
+    elif m.architecture == "mixtral":  # Mixtral's intermediate_size is the size of one expert
+        out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_topk,
+                   intermediate_size=m.moe_intermediate_size)
+    return out
 
 
 def _read_json(path: str):
@@ -83,6 +96,15 @@ def training_overrides(cfg: Config) -> dict:
     if not cfg.parallel.recompute_activations:
         return {}
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def actor_moe_overrides(cfg: Config) -> dict:
+    """The actor's MoE TransformerConfig fields (a dense model ignores them): the load-balancing loss
+    weight, and megatron's routing replay when the trainer replays the rollout's expert choices."""
+    out = {"moe_aux_loss_coeff": cfg.actor.moe_aux_loss_coeff}
+    if cfg.actor.router_replay == "rollout":
+        out["moe_enable_routing_replay"] = True
+    return out
 
 
 def wrap_trainable(module, cfg: Config):
@@ -159,7 +181,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     dtype = cfg.model.params_dtype
     temperature = cfg.rollout.temperature
     recompute = training_overrides(cfg)
-    actor_model, spec = model_from_hf(folder, groups, dtype, **recompute)
+    actor_model, spec = model_from_hf(folder, groups, dtype, **recompute, **actor_moe_overrides(cfg))
     actor_module = wrap_trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
                                 cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)

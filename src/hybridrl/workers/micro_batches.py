@@ -8,7 +8,8 @@ micro-batches the budget allows and their costs balanced. Sorting keeps rows of 
 together, so little padding is left to compute (verl balances real-token sums instead, because it
 packs rows without padding). Either way every micro-batch is trimmed to the columns where at least
 one of its rows holds a real token by `attention_mask`: shared left padding of the prompts and
-shared right padding of the responses are not computed. Results come back per row, in the batch's
+shared right padding of the responses are not computed (expert-parallel peers agree on common widths,
+`parallel/expert_lockstep.py`). Results come back per row, in the batch's
 original order, padded to the full response width. No torch.distributed here.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from hybridrl.config.batching import MicroBatching
+from hybridrl.parallel.expert_lockstep import width_agreement
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
 """[B, prompt + response] tensors; every other [B, R, ...] tensor is response-aligned."""
@@ -77,14 +79,16 @@ def plan_micro_batches(batch: Dict[str, torch.Tensor], batching: MicroBatching) 
 
 # ---- cutting and putting back -------------------------------------------------------------
 
-def split_rows(batch: Dict[str, torch.Tensor], plan: List[List[int]]) -> List[Dict[str, torch.Tensor]]:
-    """The micro-batch of each row list, cut to the columns holding a real token in one of its rows."""
+def split_rows(batch: Dict[str, torch.Tensor], plan: List[List[int]], agree=None) -> List[Dict[str, torch.Tensor]]:
+    """The micro-batch of each row list, cut to the columns holding a real token in one of its rows.
+    `agree`: maps the per-micro-batch (prompt, response) widths to the ones peers use (expert parallel)."""
     R = batch["response_mask"].shape[1]
     P = batch["attention_mask"].shape[1] - R
     spans_p, spans_r = real_spans(batch["attention_mask"], R)  # one host read for all micro-batches
+    widths = [(max(max(spans_p[i] for i in rows), 1), max(max(spans_r[i] for i in rows), 1)) for rows in plan]
+    widths = agree(widths) if agree is not None else widths
     out = []
-    for rows in plan:
-        wp, wr = max(max(spans_p[i] for i in rows), 1), max(max(spans_r[i] for i in rows), 1)
+    for rows, (wp, wr) in zip(plan, widths):
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))  # then a view, no copy
         index = None if consecutive else torch.as_tensor(rows, device=batch["attention_mask"].device)
         mb = {}
@@ -118,6 +122,6 @@ def run_per_row(engine, batch: Dict[str, torch.Tensor], batching: MicroBatching,
     """A forward-only pass of `engine` over `batch`: every tensor loss_fn returns per micro-batch,
     put back in row order at the full response width."""
     plan = plan_micro_batches(batch, batching)
-    parts = engine.run(split_rows(batch, plan), loss_fn, True)
+    parts = engine.run(split_rows(batch, plan, width_agreement(engine.groups)), loss_fn, True)
     width = batch["response_mask"].shape[1]
     return {key: scatter_rows([p[key] for p in parts], plan, width) for key in parts[0]}

@@ -16,6 +16,7 @@ from hybridrl.algos import agg_loss_denominator
 from hybridrl.metrics import mean_of
 from hybridrl.workers.engine import ModelEngine, dp_sum
 from hybridrl.config.batching import MicroBatching
+from hybridrl.parallel.expert_lockstep import width_agreement
 from hybridrl.workers.micro_batches import plan_micro_batches, scatter_rows, split_rows
 
 
@@ -47,7 +48,7 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
     history, rows_per_step = [], []
     for mini in minis:
         plan = plan_micro_batches(mini, batching)
-        micro = split_rows(mini, plan)
+        micro = split_rows(mini, plan, width_agreement(engine.groups))
         loss_shares = global_weights(micro, agg_mode, engine)
         token_shares = loss_shares if agg_mode == "token-mean" else global_weights(micro, "token-mean", engine)
         shares = iter([Share(w, t) for w, t in zip(loss_shares, token_shares)])
