@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from hybridrl.models.routing_replay import replaying
 from hybridrl.parallel.cpu_compat import cuda_to_cpu, without_cuda_mode
 
 
@@ -84,7 +85,8 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     """Forward (and backward unless `forward_only`) over `micro_batches`; returns loss_fn's dicts.
 
     A micro-batch is a dict with "input_ids" [B, S] and optionally "attention_mask" [B, S]
-    (1 = token; left or right padding) and "position_ids"; B and S may differ between micro-batches.
+    (1 = token; left or right padding), "position_ids", and "routed_experts" [B, S, L, k] (the experts
+    an MoE model built for routing replay must use); B and S may differ between micro-batches.
     Note: megatron's RoPE uses positions 0..S-1 regardless of position_ids; with left padding this
     is exact all the same, because RoPE attention depends only on relative positions, which a
     per-row shift does not change.
@@ -105,12 +107,14 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
         if padding == "left_align" and mask is not None:
             index = left_align_index(mask)
             pos = torch.arange(s, device=ids.device).expand(b, s)
-            with without_cuda_mode():
+            routes = mb.get("routed_experts")
+            routes = None if routes is None else routes.gather(1, index[:, :, None, None].expand_as(routes))
+            with without_cuda_mode(), replaying(chunk, routes):
                 out = chunk(ids.gather(1, index), pos, None)
             return out, lambda output: loss_fn(restore_alignment(output, index), mb)
         pos = mb.get("position_ids")
         pos = torch.arange(s, device=ids.device).expand(b, s) if pos is None else pos
-        with without_cuda_mode():
+        with without_cuda_mode(), replaying(chunk, mb.get("routed_experts")):
             out = chunk(ids, pos, causal_padding_mask(mask, s))
         return out, lambda output: loss_fn(output, mb)
 
