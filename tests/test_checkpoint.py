@@ -1,7 +1,10 @@
-"""Checkpoint folders: atomic publication, keep-last-K, pointer, partial folders never taken; a run
-SIGKILLed in the middle of a save; every bad resume input ends in one `error:` line of train_ppo.py."""
+"""Checkpoint folders: atomic publication, keep-last-K per role, pointer, partial folders never taken; a run
+SIGKILLed in the middle of a save; every bad resume input ends in one `error:` line of train_ppo.py; a save
+into a folder that cannot take it ends the run with one `error:` line and the last checkpoint intact."""
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,10 +20,18 @@ from test_trainer import ROOT, TINY, _overrides
 SCRIPT = os.path.join(ROOT, "scripts", "train_ppo.py")
 
 
-def _publish(ckpt, step):
+def _publish(ckpt, step, roles=("actor",)):
     tmp = ckpt.prepare(step)
-    open(os.path.join(tmp, "shard"), "w").write(str(step))
-    return ckpt.publish(step, {"data": {"batch_index": step}})
+    for role in roles:
+        os.makedirs(os.path.join(tmp, role))
+        open(os.path.join(tmp, role, "shard"), "w").write(str(step))
+    return ckpt.publish(step, {"data": {"batch_index": step}, "roles": list(roles)})
+
+
+def _parts(root):
+    """{step: sorted roles on disk} of every global_step_* folder under root, complete or not."""
+    return {int(n.split("_")[-1]): sorted(os.listdir(root / n)) for n in os.listdir(root) if n.startswith("global_step_")
+            and not n.endswith(".tmp")}
 
 
 def test_publish_prune_pointer_and_partial_folders(tmp_path):
@@ -28,7 +39,7 @@ def test_publish_prune_pointer_and_partial_folders(tmp_path):
     for step in (2, 4, 6):
         _publish(ckpt, step)
     assert sorted(ckpt.complete_steps()) == [4, 6] and ckpt.latest().endswith("global_step_6")
-    assert read_meta(ckpt.latest()) == {"data": {"batch_index": 6}, "step": 6}
+    assert read_meta(ckpt.latest()) == {"data": {"batch_index": 6}, "roles": ["actor"], "step": 6}
     # a killed save's folder, a step folder without meta.json and a pointer past them are never taken
     os.makedirs(tmp_path / "global_step_8.tmp")
     os.makedirs(tmp_path / "global_step_9")
@@ -40,8 +51,67 @@ def test_publish_prune_pointer_and_partial_folders(tmp_path):
     assert ckpt.resolve(str(tmp_path / "global_step_4")).endswith("global_step_4")
 
 
+def test_prune_counts_actor_and_critic_apart(tmp_path):
+    """verl's max_actor_ckpt_to_keep / max_critic_ckpt_to_keep: each role's oldest complete parts go, a step
+    folder goes when no part is left, the newest stays, partial and foreign folders are never touched."""
+    ckpt = CheckpointManager(str(tmp_path), keep={"actor": 2, "critic": 1})
+    for step in (1, 2, 3, 4):
+        _publish(ckpt, step, ("actor", "critic"))
+    parts = _parts(tmp_path)
+    assert parts == {3: ["actor", "meta.json"], 4: ["actor", "critic", "meta.json"]}, parts
+    # a save being written (no meta.json yet, `.tmp`), a step folder without meta.json: never counted, never deleted
+    os.makedirs(tmp_path / "global_step_9.tmp" / "actor")
+    os.makedirs(tmp_path / "global_step_0" / "actor")
+    ckpt.prune(newest=4)
+    assert os.listdir(tmp_path / "global_step_9.tmp") == ["actor"] and os.listdir(tmp_path / "global_step_0") == ["actor"]
+    assert _parts(tmp_path)[3] == ["actor", "meta.json"] and sorted(ckpt.complete_steps()) == [3, 4]
+    # the checkpoint just written stays even when its step is lower (a run resumed from an older one)
+    _publish(ckpt, 2, ("actor", "critic"))
+    assert sorted(ckpt.complete_steps()) == [2, 4] and _parts(tmp_path)[2] == ["actor", "critic", "meta.json"]
+    assert _parts(tmp_path)[4] == ["actor", "meta.json"]
+    # a deletion killed after the rename leaves a `.tmp` part, swept by the next prune
+    os.makedirs(tmp_path / "global_step_4" / "critic.del.tmp")
+    _publish(ckpt, 5, ("actor", "critic"))
+    assert _parts(tmp_path) == {0: ["actor"], 4: ["actor", "meta.json"], 5: ["actor", "critic", "meta.json"]}
+
+
+def test_keep_all_by_default_and_one_limit_for_every_role(tmp_path):
+    for keep, want in ((None, [1, 2, 3]), ({"actor": 0, "critic": None}, [1, 2, 3]), (1, [3])):
+        root = tmp_path / str(keep)
+        ckpt = CheckpointManager(str(root), keep)
+        for step in (1, 2, 3):
+            _publish(ckpt, step, ("actor", "critic"))
+        assert sorted(ckpt.complete_steps()) == want and sorted(os.listdir(root / "global_step_3")) == [
+            "actor", "critic", "meta.json"], keep
+
+
+def test_pruned_part_names_the_setting(tmp_path):
+    from hybridrl.checkpoint import load_checkpoint
+    from hybridrl.checkpoint.writer import RUN_KEYS
+
+    ckpt = CheckpointManager(str(tmp_path), keep={"critic": 1})
+    for step in (1, 2):
+        tmp = ckpt.prepare(step)
+        for role in ("actor", "critic"):
+            os.makedirs(os.path.join(tmp, role))
+        ckpt.publish(step, {**{k: 0 for k in RUN_KEYS}, "roles": ["actor", "critic"], "layout": {}})
+    with pytest.raises(CheckpointError, match="global_step_1 no longer holds its critic state.*max_critic_ckpt_to_keep"):
+        load_checkpoint(ckpt.step_dir(1), {"critic": None}, {})
+
+
+def test_trainer_keys_validated():
+    from hybridrl.config import ConfigError, TrainerConfig
+    from hybridrl.config.io import load_config
+
+    assert TrainerConfig().max_actor_ckpt_to_keep is None and TrainerConfig().max_critic_ckpt_to_keep is None
+    with pytest.raises(ConfigError, match=r"trainer.max_critic_ckpt_to_keep=-1: pass K >= 1.*or null \(or 0\)"):
+        TrainerConfig(max_critic_ckpt_to_keep=-1)
+    with pytest.raises(ConfigError, match="'trainer.max_ckpt_to_keep' is now 'trainer.max_actor_ckpt_to_keep and"):
+        load_config(TINY, ["trainer.max_ckpt_to_keep=2"])
+
+
 def test_resume_path_messages(tmp_path):
-    ckpt = CheckpointManager(str(tmp_path / "root"), keep=2)
+    ckpt = CheckpointManager(str(tmp_path / "root"))
     _publish(ckpt, 3)
     os.makedirs(tmp_path / "root" / "global_step_5.tmp")
     cases = {str(tmp_path / "nope"): "no such folder", str(tmp_path / "root"): "checkpoint root, not one checkpoint; "
@@ -56,7 +126,7 @@ def test_unreadable_or_foreign_meta(tmp_path):
     from hybridrl.checkpoint import load_checkpoint
     from hybridrl.checkpoint.writer import RUN_KEYS
 
-    ckpt = CheckpointManager(str(tmp_path), keep=3)
+    ckpt = CheckpointManager(str(tmp_path))
     torn, old, grpo = (ckpt.step_dir(s) for s in (1, 2, 3))
     for path, meta in ((torn, '{"step": 1, "da'), (old, json.dumps({"step": 2, "data": {}, "kl_coef": 0.0})),
                        (grpo, json.dumps({**{k: 0 for k in RUN_KEYS}, "roles": ["actor"], "layout": {}}))):
@@ -129,3 +199,77 @@ def test_killed_mid_save_then_auto_resume_and_bad_inputs(tmp_path):
                                         "algorithm.adv_estimator=gae"]),
                "'decoder.layers.mlp.linear_fc1.weight' with shape [2, 256, 64], this model's is [2, 192, 64]",
                "model.* settings")
+
+
+KEEP = ["trainer.save_freq=1", "algorithm.adv_estimator=gae", "trainer.max_actor_ckpt_to_keep=1",
+        "trainer.max_critic_ckpt_to_keep=2"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A PPO run (actor + critic) that saved steps 1 and 2, keeping 1 actor and 2 critics."""
+    tmp = tmp_path_factory.mktemp("saved")
+    proc = _script(tmp, ["trainer.total_training_steps=2"] + KEEP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp
+
+
+def _parts_of_run(tmp):
+    root = tmp / "ckpt"
+    return {n: sorted(os.listdir(root / n)) for n in os.listdir(root) if n.startswith("global_step_")}
+
+
+SAVED = {"global_step_1": ["critic", "meta.json", "rng"], "global_step_2": ["actor", "critic", "meta.json", "rng"]}
+
+
+def _small_files():
+    """In the training process: files may grow to 100 kB only (RLIMIT_FSIZE; a write past it fails with
+    EFBIG instead of killing the process), so writing the first shard of a checkpoint fails midway, as on
+    a full disk; the data and model files of the run are already there and only read."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+
+def _failed_save(tmp, extra=(), preexec_fn=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, SCRIPT, "--config", TINY] + _overrides(tmp, [
+        "trainer.logger=[console]", "trainer.total_training_steps=3"] + KEEP + list(extra)), capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env, start_new_session=True, preexec_fn=preexec_fn)
+    _one_error(proc, "could not write the checkpoint of step 3", "nothing older was deleted",
+               f"the last complete checkpoint is {tmp / 'ckpt' / 'global_step_2'}")
+    assert "resumed from" in proc.stdout and "step:3" in proc.stdout  # it trained step 3, then failed saving it
+    assert {k: v for k, v in _parts_of_run(tmp).items() if not k.endswith(".tmp")} == SAVED
+    return proc
+
+
+@pytest.mark.slow
+def test_save_into_a_full_or_blocked_folder_ends_the_run_and_keeps_the_last_checkpoint(saved_run, tmp_path):
+    assert _parts_of_run(saved_run) == SAVED  # the real trainer's pruning: actor of step 1 gone, its critic kept
+    shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
+    # a full disk, with the shards written in the training process and by megatron's background writer
+    for extra in ([], ["trainer.async_save=true"]):
+        _failed_save(tmp_path, extra, preexec_fn=_small_files)
+    # the folder the new checkpoint would go into is taken by a file
+    shutil.rmtree(tmp_path / "ckpt" / "global_step_3.tmp", ignore_errors=True)
+    (tmp_path / "ckpt" / "global_step_3.tmp").write_text("in the way")
+    _failed_save(tmp_path)
+    # the previous checkpoint is intact: the same command resumes from it, saves step 3, and prunes
+    os.remove(tmp_path / "ckpt" / "global_step_3.tmp")
+    resumed = _script(tmp_path, ["trainer.total_training_steps=3"] + KEEP)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / 'global_step_2'} at step 2" in resumed.stdout
+    assert _parts_of_run(tmp_path) == {"global_step_2": ["critic", "meta.json", "rng"],
+                                       "global_step_3": ["actor", "critic", "meta.json", "rng"]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a chmod 0o555 folder; the test above blocks the "
+                                               "folder with a file and fills the disk instead")
+def test_save_into_a_read_only_folder(saved_run, tmp_path):
+    shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
+    os.chmod(tmp_path / "ckpt", 0o555)
+    try:
+        proc = _failed_save(tmp_path)
+    finally:
+        os.chmod(tmp_path / "ckpt", 0o755)
+    assert "Permission denied" in proc.stderr and "make it writable" in proc.stderr

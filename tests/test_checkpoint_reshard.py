@@ -139,7 +139,7 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
     export, snapshot = tmp_path / "export", tmp_path / "at_save_1"
     events = run_distributed(_train_recording, 2, TINY, _overrides(tmp_path, [
         f"{LAYOUT['tp']}=2", "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.async_save=true",
-        "trainer.max_ckpt_to_keep=3", f"trainer.export_hf_dir={export}"]), str(snapshot))[0]
+        "trainer.max_actor_ckpt_to_keep=3", f"trainer.export_hf_dir={export}"]), str(snapshot))[0]
     order = {e[:2]: i for i, e in enumerate(events)}
     for step in (1, 2, 3):
         assert ("publish", step) in order, events

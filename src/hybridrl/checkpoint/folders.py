@@ -4,7 +4,10 @@ A save writes everything into `global_step_{k}.tmp/`; `publish` (rank 0, after e
 writes meta.json last, renames the folder to `global_step_{k}` and only then replaces the pointer
 file. A folder counts as a checkpoint only when it has that name and a meta.json, so a process
 killed mid-save leaves a `.tmp` folder that is never taken for one (and is removed by the next
-save). No torch.distributed here: the writer (`writer.py`) calls these on the right ranks.
+save). Only then are old checkpoints pruned, each role's part on its own count (verl's
+trainer.max_{actor,critic}_ckpt_to_keep): a part, or a step folder with no part left, is renamed to a
+`.tmp` name before it is deleted, so an interrupted deletion never leaves a torn checkpoint.
+No torch.distributed here: the writer (`writer.py`) calls these on the right ranks.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import json
 import os
 import re
 import shutil
-from typing import List, Optional
+from typing import Dict, List, Optional, Union
 
 POINTER = "latest_checkpointed_iteration.txt"  # verl's name
 META = "meta.json"
@@ -59,9 +62,11 @@ def read_meta(path: str, required=()) -> dict:
 
 
 class CheckpointManager:
-    """The `global_step_*` folders under `root` (trainer.default_local_dir), keeping the last `keep`."""
+    """The `global_step_*` folders under `root` (trainer.default_local_dir). `keep` bounds how many
+    complete checkpoints keep each role's part: {"actor": 2, "critic": None} (None or 0: all), or one
+    number for every role."""
 
-    def __init__(self, root: str, keep: int):
+    def __init__(self, root: str, keep: Union[int, None, Dict[str, Optional[int]]] = None):
         self.root, self.keep = root, keep
 
     def step_dir(self, step: int) -> str:
@@ -78,7 +83,7 @@ class CheckpointManager:
         return tmp
 
     def publish(self, step: int, meta: dict) -> str:
-        """Rank 0, after every rank wrote its part: meta.json, rename, pointer, prune."""
+        """Rank 0, after every rank wrote its part: meta.json, rename, pointer, then prune."""
         final, tmp = self.step_dir(step), self.step_dir(step) + PARTIAL
         atomic_write_text(os.path.join(tmp, META), json.dumps(dict(meta, step=step), indent=1))
         if os.path.isdir(final):  # re-saving a step (a resumed run): move the old one aside first
@@ -90,9 +95,45 @@ class CheckpointManager:
             os.replace(tmp, final)
         _fsync_dir(self.root)
         atomic_write_text(os.path.join(self.root, POINTER), str(step))
-        for stale in sorted(self.complete_steps())[:-self.keep]:
-            shutil.rmtree(self.step_dir(stale), ignore_errors=True)
+        self.prune(newest=step)
         return final
+
+    def limit(self, role: str) -> Optional[int]:
+        """How many checkpoints keep `role`'s part; None: all."""
+        keep = self.keep.get(role) if isinstance(self.keep, dict) else self.keep
+        return keep or None
+
+    def listed_roles(self, step: int) -> List[str]:
+        """The roles meta.json says the checkpoint was saved with ([] when it cannot be read)."""
+        try:
+            roles = read_meta(self.step_dir(step)).get("roles", [])
+        except (CheckpointError, AttributeError):
+            return []
+        return list(roles)
+
+    def prune(self, newest: int) -> None:
+        """Delete each role's part of the complete checkpoints beyond its limit, oldest steps first; the
+        checkpoint just published (`newest`) always stays, partial `.tmp` folders are never counted, and
+        a step folder whose parts are all gone goes whole."""
+        steps = sorted(self.complete_steps())
+        listed = {s: self.listed_roles(s) for s in steps}
+        kept = {s: {r for r in listed[s] if os.path.isdir(os.path.join(self.step_dir(s), r))} for s in steps}
+        for role in sorted(set().union(*kept.values())):
+            limit = self.limit(role)
+            if limit is None:
+                continue
+            older = [s for s in steps if role in kept[s] and s != newest]
+            room = limit - (role in kept.get(newest, ()))  # the newest counts against the limit
+            for s in older[:max(0, len(older) - room)]:
+                _remove(os.path.join(self.step_dir(s), role))
+                kept[s].discard(role)
+        for s in steps:
+            if s != newest and listed[s] and not kept[s]:
+                _remove(self.step_dir(s))
+            elif os.path.isdir(self.step_dir(s)):  # parts whose deletion a killed run left behind
+                for name in os.listdir(self.step_dir(s)):
+                    if name.endswith(PARTIAL):
+                        shutil.rmtree(os.path.join(self.step_dir(s), name), ignore_errors=True)
 
     def complete_steps(self) -> List[int]:
         if not os.path.isdir(self.root):
@@ -120,6 +161,16 @@ class CheckpointManager:
         return resume_mode
 
 
+def _remove(path: str) -> None:
+    """Rename `path` to a partial name (never taken for a checkpoint part), then delete it."""
+    doomed = f"{path}.del{PARTIAL}"
+    try:
+        os.replace(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def check_step_folder(path: str, what: str = "trainer.resume_mode") -> None:
     """Raise CheckpointError unless `path` (the value of option `what`) is a complete global_step_*
     folder, saying what it is instead."""
@@ -130,7 +181,7 @@ def check_step_folder(path: str, what: str = "trainer.resume_mode") -> None:
                                  if what == "trainer.resume_mode" else ""))
     if os.path.isfile(os.path.join(path, META)):
         return
-    inner = CheckpointManager(path, 1).latest() if os.path.isdir(path) else None
+    inner = CheckpointManager(path).latest() if os.path.isdir(path) else None
     if inner:
         raise CheckpointError(f"{where} is a checkpoint root, not one checkpoint; pass {inner}")
     partial = os.path.basename(os.path.normpath(path)).endswith(PARTIAL)

@@ -7,11 +7,15 @@ streams, and meta.json (step, data loader position, KL coefficient, layout, HF c
 With `async_save` the shards are written by megatron-core's async writer (a forked process that
 sees this moment's tensors; on GPU a host copy is taken first) while training goes on; `poll`
 after each step and `finalize` publish the folder once every rank is done, and a new save first
-finishes the one before it, so checkpoints appear whole and in order.
+finishes the one before it, so checkpoints appear whole and in order. Old checkpoints are pruned only
+after that publication. A folder that cannot be written (read-only, full, a file in the way) raises the
+same CheckpointError on every rank, naming the folder, the cause and the last complete checkpoint,
+which stays as it was.
 """
 from __future__ import annotations
 
 import functools
+import io
 import os
 from typing import Dict
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from hybridrl.checkpoint.folders import PARTIAL, CheckpointError, CheckpointManager, read_meta
 from hybridrl.checkpoint.rng import rng_state, set_rng_state
 from hybridrl.checkpoint.sharded import load_role, save_role
+from hybridrl.log import os_error_message
 
 RNG_DIR = "rng"
 RUN_KEYS = ("step", "roles", "data", "kl_coef", "layout", "hf_config")  # what a resume reads from meta.json
@@ -28,6 +33,14 @@ RUN_KEYS = ("step", "roles", "data", "kl_coef", "layout", "hf_config")  # what a
 
 def _rng_file(folder: str, rank: int) -> str:
     return os.path.join(folder, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+def _save_file(obj, path: str) -> None:
+    """torch.save through a buffer, so a full disk raises an OSError (torch's own writer, a RuntimeError)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
 
 class CheckpointWriter:
@@ -38,6 +51,7 @@ class CheckpointWriter:
 
         self.folders = folders
         self.queue = AsyncCallsQueue() if async_save else None
+        self.pending = 0  # the step of the async save in flight
 
     def save(self, step: int, workers: Dict[str, object], meta: dict, extra: Dict[str, object] | None = None,
              others: Dict[str, object] | None = None) -> None:
@@ -45,22 +59,27 @@ class CheckpointWriter:
         object for torch.save}); `others` ({role: save(folder)}) are roles that other ranks write (a
         critic of its own), called before this world's writes. Published now, or when the async write
         is done."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         others = others or {}
         self.finalize()
         rank, tmp = dist.get_rank(), self.folders.step_dir(step) + PARTIAL
-        if rank == 0:
-            self.folders.prepare(step)
-            for sub in (*workers, *others, RNG_DIR):
-                os.makedirs(os.path.join(tmp, sub))
-        dist.barrier()
-        for role, save in others.items():
-            save(os.path.join(tmp, role))
-        torch.save(rng_state(), _rng_file(tmp, rank))
-        for name, obj in (extra or {}).items():
-            if rank == 0 and obj is not None:
-                torch.save(obj, os.path.join(tmp, name))
+        self._agree(step, lambda: self._make_folders(step, [*workers, *others, RNG_DIR]) if rank == 0 else None)
+
+        def local_writes():
+            for role, save in others.items():
+                save(os.path.join(tmp, role))
+            _save_file(rng_state(), _rng_file(tmp, rank))
+            for name, obj in (extra or {}).items():
+                if rank == 0 and obj is not None:
+                    _save_file(obj, os.path.join(tmp, name))
+
+        self._agree(step, local_writes)  # every rank learns of a failure before the collective write
         is_async = self.queue is not None
-        requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
+        try:
+            requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
+        except (OSError, CheckpointException) as err:  # raised on every rank: megatron gathers write results
+            raise self._failed(step, err) from None
         publish = functools.partial(self._publish, step, dict(meta, roles=sorted([*workers, *others])))
         if not is_async:
             publish()
@@ -68,22 +87,65 @@ class CheckpointWriter:
         requests[-1].add_finalize_fn(publish)  # finalized in order: the last one means all are written
         for request in requests:
             self.queue.schedule_async_request(request)
+        self.pending = step
+
+    def _make_folders(self, step: int, subs) -> None:
+        tmp = self.folders.prepare(step)
+        for sub in subs:
+            os.makedirs(os.path.join(tmp, sub))
 
     def _publish(self, step: int, meta: dict) -> None:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            self.folders.publish(step, meta)
-        dist.barrier()
+        self._agree(step, lambda: self.folders.publish(step, meta) if dist.get_rank() == 0 else None)
+
+    def _agree(self, step: int, write) -> None:
+        """Run `write` on this rank; when it fails on any rank, raise the same CheckpointError on all."""
+        try:
+            write()
+            problem = None
+        except OSError as err:
+            problem = self._failed(step, err).args[0]
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+        if problem:
+            raise CheckpointError(problem)
+
+    def _failed(self, step: int, err: BaseException) -> CheckpointError:
+        """The CheckpointError of a save that could not be written: what failed, the fix, what is intact."""
+        cause = err
+        for failed, _trace in getattr(err, "failures", {}).values():  # megatron's CheckpointException
+            cause = failed
+            break
+        if isinstance(cause, OSError):
+            why = os_error_message(cause, self.folders.step_dir(step) + PARTIAL)
+        elif cause is err and hasattr(err, "failures"):
+            why = "another rank could not write its shards (its own message names the cause)"
+        else:  # torch's own file writer reports a full disk as a RuntimeError
+            why = (f"{type(cause).__name__}: {cause}".splitlines()[0]
+                   + f" (check that {self.folders.root} is writable and its disk has free space)")
+        latest = self.folders.latest()
+        return CheckpointError(
+            f"could not write the checkpoint of step {step} under trainer.default_local_dir={self.folders.root}: "
+            f"{why}; nothing older was deleted: the last complete checkpoint is "
+            + (f"{latest}, and the same command resumes from it" if latest else "none yet"))
 
     def poll(self) -> None:
         """Publish an async save whose writes finished on every rank (one small all-reduce)."""
         if self.queue is not None and self.queue.get_num_unfinalized_calls():
-            self.queue.maybe_finalize_async_calls(blocking=False)
+            self._finish(blocking=False)
 
     def finalize(self) -> None:
         """Wait for a pending async save and publish it."""
         if self.queue is not None and self.queue.get_num_unfinalized_calls():
-            self.queue.maybe_finalize_async_calls(blocking=True)
+            self._finish(blocking=True)
+
+    def _finish(self, blocking: bool) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except (OSError, CheckpointException) as err:  # a shard the background writer could not write
+            raise self._failed(self.pending, err) from None
 
 
 def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict:
@@ -91,7 +153,10 @@ def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict
     meta = read_meta(path, RUN_KEYS)
     for role, worker in workers.items():
         folder = os.path.join(path, role)
-        if role not in meta["roles"] or not os.path.isdir(folder):
+        if role in meta["roles"] and not os.path.isdir(folder):
+            raise CheckpointError(f"{path} no longer holds its {role} state (deleted by trainer.max_{role}_ckpt_to_keep "
+                                  f"once newer checkpoints existed); resume from a newer global_step_* folder")
+        if role not in meta["roles"]:
             raise CheckpointError(f"{path} has no {role} state (saved by a run without a {role}); resume "
                                   f"with the algorithm.adv_estimator it was saved with, or trainer.resume_mode=disable")
         load_role(worker, folder, role)

@@ -53,7 +53,8 @@ def field_type(key: str) -> str:
 
 # Keys that moved to verl's names (README, "Migration"): the error names the new key.
 MOVED_KEYS = {"rollout.val_n": "rollout.val_kwargs.n",
-              "rollout.val_temperature": "rollout.val_kwargs.temperature (with rollout.val_kwargs.do_sample=true)"}
+              "rollout.val_temperature": "rollout.val_kwargs.temperature (with rollout.val_kwargs.do_sample=true)",
+              "trainer.max_ckpt_to_keep": "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep"}
 
 
 def _unknown_key_error(full_key: str) -> ConfigError:

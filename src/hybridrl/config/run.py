@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from hybridrl.config.checks import check, one_of
 from hybridrl.config.training import OptimConfig
@@ -26,8 +26,10 @@ class TrainerConfig:
     """Validate once before the first step."""
     save_freq: int = 0
     """Checkpoint every this many steps; 0 disables."""
-    max_ckpt_to_keep: int = 2
-    """Keep the last K checkpoints."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep the actor of the newest K complete checkpoints, delete older ones after each save; null or 0: keep all."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """Keep the critic of the newest K complete checkpoints, delete older ones after each save; null or 0: keep all."""
     default_local_dir: str = "outputs/checkpoints"
     """Where checkpoints go."""
     resume_mode: str = "auto"
@@ -69,7 +71,10 @@ class TrainerConfig:
         check(self.hang_timeout_s >= 0, "trainer.hang_timeout_s must be >= 0 (seconds; 0 turns the watchdog off)")
         check(not self.max_runtime or bool(re.fullmatch(r"(\d+-)?(\d+:)?\d+:\d+", self.max_runtime.strip())),
               f"trainer.max_runtime={self.max_runtime!r} is not HH:MM:SS (or D-HH:MM:SS); e.g. 23:50:00")
-        check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep must be >= 1")
+        for role in ("actor", "critic"):
+            keep = getattr(self, f"max_{role}_ckpt_to_keep")
+            check(keep is None or keep >= 0, f"trainer.max_{role}_ckpt_to_keep={keep}: pass K >= 1 to keep the "
+                                             f"newest K {role} checkpoints, or null (or 0) to keep all")
         for sink in self.logger:
             one_of("trainer.logger", sink, LOGGERS)
 
