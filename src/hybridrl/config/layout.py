@@ -142,6 +142,21 @@ def expert_parallel_size(cfg: Config, dims: ModelDims, tp: int, dp: int) -> int:
     return ep
 
 
+def check_router_replay(cfg: Config, dims: ModelDims) -> None:
+    """actor.router_replay=rollout needs an MoE model and an engine that records its routes."""
+    if cfg.actor.router_replay == "off":
+        return
+    _require(dims.num_experts > 0, "actor.router_replay=rollout replays expert choices, but the model is dense; "
+                                   "set actor.router_replay=off")
+    _require(cfg.rollout.name == "native", "actor.router_replay=rollout needs the routes the native engine records; "
+                                           "set rollout.name=native or actor.router_replay=off")
+    _require(not cfg.parallel.recompute_activations,
+             "actor.router_replay=rollout with parallel.recompute_activations=true would recompute each layer with "
+             "another micro-batch's routes; set one of them off")
+    _require(not cfg.rollout.multi_turn.enable, "actor.router_replay=rollout does not record routes across the turns "
+                                                "of rollout.multi_turn; set one of them off")
+
+
 def split_ranks(cfg: Config, world_size: int) -> int:
     """Ranks that only generate (0 when colocated), after checking the placement against the world."""
     p, a = cfg.placement, cfg.async_training
@@ -210,6 +225,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     ctp, cpp, cdp = critic_sizes(cfg, dims)
     tp, pp, dp = model_parallel_sizes(cfg, world_size - k - cfg.placement.critic_world_size, dims)
     ep = expert_parallel_size(cfg, dims, tp, dp)
+    check_router_replay(cfg, dims)
     _require(ep == 1 or not cfg.placement.critic_world_size,
              "parallel.expert_model_parallel_size > 1 with placement.critic_world_size > 0 is not supported; "
              "train the critic with the actor (critic_world_size=0)")

@@ -29,7 +29,8 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.timeline import Timeline
 from hybridrl.trainer.split import step_overlap
 from hybridrl.trainer.streamed import sample_streamed
-from hybridrl.trainer.step_batch import assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice, pad_columns
+from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice,
+                                        pad_columns, route_columns)
 from hybridrl.trainer.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
@@ -75,6 +76,8 @@ class PPOTrainer:
                                     "ref": self.ref and self.ref.offloader,
                                     "reward_model": roles.reward_model and roles.reward_model.offloader})
         self.batching = resolve_batching(cfg)
+        self.replay_routes = cfg.actor.router_replay == "rollout"
+        """MoE routing replay: the engine records its expert choices, the actor's forwards reuse them."""
         self.old_log_prob_source = old_log_prob_source(cfg, layout)
         self.values_source = values_source(cfg, layout) if self.critic is not None else None
         self.critic_apart = layout.critic_world_size > 0
@@ -214,12 +217,18 @@ class PPOTrainer:
                     "rollout_log_probs": pad_columns(out.log_probs.to(device, torch.float32), R, 0.0)}
             if self.cfg.rollout.multi_turn.enable:
                 mine.update(trajectory_fields(out, R, device))
-        extra = trajectory_shapes(rows, R) if self.cfg.rollout.multi_turn.enable else None
+            if self.replay_routes:
+                mine["routed_experts"] = route_columns(out.routed_experts.to(device), out.responses.shape[1],
+                                                       prompts.input_ids.shape[1], R)
+        extra = trajectory_shapes(rows, R) if self.cfg.rollout.multi_turn.enable else {}
+        if self.replay_routes:
+            extra["routed_experts"] = ((rows, prompts.input_ids.shape[1] + R, self.roles.spec.num_layers,
+                                        self.roles.spec.moe_topk), torch.int16)
         rollout = mine if self.remote is not None else broadcast_rollout(mine, rows, R, self.groups, extra)
         batch = assemble(prompts.input_ids, prompts.attention_mask, rollout["responses"], rollout["response_mask"],
                          sampling.n, device, rollout.get("attention_mask"))
         batch["rollout_log_probs"] = rollout["rollout_log_probs"]
-        batch.update({k: rollout[k] for k in (extra or {}) if k != "attention_mask"})
+        batch.update({k: rollout[k] for k in extra if k != "attention_mask"})
         return batch
 
     def sample(self, prompts, step: int, next_prompts=None, source: str = "pass"):

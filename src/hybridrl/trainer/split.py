@@ -13,7 +13,6 @@ k+1 overlaps the update on k and every trained sample is exactly one version old
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import threading
 import time
@@ -25,6 +24,7 @@ from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
+from hybridrl.trainer.rollout_rows import join_outputs, output_rows, row_versions
 
 
 class PeerLostError(RuntimeError):
@@ -159,46 +159,8 @@ def my_rows(msg: dict, lo_rank: int, hi_rank: int):
     lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
     if lo < hi:
         n = msg["n"]
-        out = _rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n))
+        out = output_rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n))
         yield out, lo - lo_rank, hi - lo_rank, row_versions(out, msg["version"])
-
-
-def row_versions(out: RolloutOutput, version: int) -> torch.Tensor:
-    """The weight version behind each response row: the call's first, plus the updates taken in before
-    the row started (partial rollout); the oldest version that produced any of its tokens."""
-    rows = out.responses.shape[0]
-    return version + (out.weight_epochs if out.weight_epochs is not None else torch.zeros(rows, dtype=torch.long))
-
-
-def _per_row(out: RolloutOutput) -> dict:
-    """The fields of an output with one entry per response row (tensors [rows] or [rows, width])."""
-    rows = out.responses.shape[0]
-    return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)
-            if isinstance(getattr(out, f.name), torch.Tensor) and getattr(out, f.name).shape[:1] == (rows,)}
-
-
-def _rows(out: RolloutOutput, rows: slice) -> RolloutOutput:
-    return dataclasses.replace(out, **{k: v[rows] for k, v in _per_row(out).items()})
-
-
-def _join(parts: list, pad_id: int) -> RolloutOutput:
-    """Outputs of consecutive prompt ranges as one, right-padded to the widest; engine counters summed."""
-    if len(parts) == 1:
-        return parts[0]
-    fields = {}
-    for k, v in _per_row(parts[0]).items():
-        if v.dim() == 1:
-            fields[k] = torch.cat([getattr(p, k) for p in parts])
-            continue
-        width = max(getattr(p, k).shape[1] for p in parts)
-        fill = pad_id if k == "responses" else 0
-        fields[k] = torch.cat([torch.nn.functional.pad(getattr(p, k), (0, width - getattr(p, k).shape[1]), value=fill)
-                               for p in parts])
-    stats = {}
-    for p in parts:
-        for k, v in p.stats.items():
-            stats[k] = stats.get(k, 0) + v
-    return dataclasses.replace(parts[0], stats=stats, **fields)
 
 
 # ---- the rollout ranks ---------------------------------------------------------------------------
@@ -333,7 +295,7 @@ class _Server:
             if self.world.rank == self.world.rollout_leader:
                 outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
                 outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": start_version, "last": hi >= len(prompts),
-                            "out": _join(outs, self.engine.pad_id) if outs else out,
+                            "out": join_outputs(outs, self.engine.pad_id) if outs else out,
                             "spans": [x for _, _, part in parts for x in part]})
             else:
                 outbox.put(None)

@@ -90,3 +90,20 @@ def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
     pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
     return torch.cat([t, pad], dim=1)
 
+
+
+def route_columns(routes: torch.Tensor, response_width: int, prompt_width: int, width: int) -> torch.Tensor:
+    """An engine's `routed_experts` [rows, P_e + response_width, L, k] (prompts left-padded to P_e) in the
+    batch's columns [rows, prompt_width + width, L, k]: prompts right-aligned at the prompt/response
+    boundary, responses from it; columns no token fills hold arange(k) (padding, masked in the loss)."""
+    rows, p_in = routes.shape[0], routes.shape[1] - response_width
+    if not 0 <= p_in <= prompt_width:
+        raise ValueError(f"routes of {routes.shape[1]} columns with {response_width} response columns do not fit "
+                         f"a prompt width of {prompt_width}")
+    k = routes.shape[-1]
+    out = torch.arange(k, dtype=routes.dtype, device=routes.device).expand(
+        rows, prompt_width + width, routes.shape[2], k).clone()
+    out[:, prompt_width - p_in:prompt_width] = routes[:, :p_in]
+    r = min(width, response_width)
+    out[:, prompt_width:prompt_width + r] = routes[:, p_in:p_in + r]
+    return out

@@ -17,6 +17,7 @@ from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.config.batching import MicroBatching
 from hybridrl.workers.micro_batches import run_per_row
+from hybridrl.workers.moe_metrics import RouterStats, pass_metrics
 from hybridrl.workers.update import Share, check_one_step, ppo_update
 
 
@@ -59,8 +60,8 @@ class LogProbWorker:
                 out["entropy"] = ent.detach()
             return output.new_zeros(()), out
 
-        keys = ("input_ids", "attention_mask", "responses", "response_mask")
-        out = run_per_row(self.engine, {k: batch[k] for k in keys}, batching, loss_fn)
+        keys = ("input_ids", "attention_mask", "responses", "response_mask", "routed_experts")
+        out = run_per_row(self.engine, {k: batch[k] for k in keys if k in batch}, batching, loss_fn)
         return out["log_probs"], out.get("entropy")
 
 
@@ -83,7 +84,7 @@ def old_log_prob_source(cfg: Config, layout) -> str:
 
 
 UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
-               "ref_log_probs", "rollout_log_probs")
+               "ref_log_probs", "rollout_log_probs", "routed_experts")
 
 
 class ActorWorker(LogProbWorker):
@@ -146,8 +147,11 @@ class ActorWorker(LogProbWorker):
                            batch["response_mask"].shape[0], mini_batch_rows)
         keys = [k for k in UPDATE_KEYS if k in batch]
         minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
-        metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
-                                       self._loss, "actor", apply)
+        with RouterStats(self.engine.module) as routing:
+            metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
+                                           self._loss, "actor", apply)
+        if routing.routers:
+            metrics.update(pass_metrics(routing, self.engine.groups, routing.routers[0].topk))
         if own_old:
             batch["old_log_probs"], batch["old_entropy"] = per_step[0]["log_probs"], per_step[0]["entropy"]
         return metrics

@@ -21,8 +21,8 @@ import torch
 from hybridrl.config.batching import MicroBatching
 from hybridrl.parallel.expert_lockstep import width_agreement
 
-FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
-"""[B, prompt + response] tensors; every other [B, R, ...] tensor is response-aligned."""
+FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids", "routed_experts")
+"""[B, prompt + response, ...] tensors; every other [B, R, ...] tensor is response-aligned."""
 
 
 # ---- which rows go together ---------------------------------------------------------------
