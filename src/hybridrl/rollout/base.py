@@ -59,6 +59,14 @@ class RolloutOutput:
     weight_epochs: torch.Tensor | None = None
     """long [N*n]: weight updates the engine took in during this call before the row started (partial
     rollout: the row's tokens come from that version on); None: no update during the call."""
+    routed_experts: torch.Tensor | None = None
+    """int16 [N*n, P + R, moe_layers, topk], only from an engine asked to record routes (MoE models): the
+    global expert ids (megatron's router `top_indices`, descending score) each MoE layer chose for each
+    token fed through the model. Columns line up with the trainer's input_ids = [prompts left-padded to
+    P; responses]: P is the longest prompt of the call (a caller that pads wider adds columns on the
+    left), prompt token j of row i is column P - len(prompt_i) + j and response token t is column P + t
+    (the last generated token included). Left padding and the columns after a row's last token hold
+    arange(topk). None: not recorded."""
 
 
 class RolloutEngine(Protocol):
@@ -168,6 +176,19 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams, keys: torch.Tens
         # Gumbel-max: argmax(x + G) is an exact sample of softmax(x)
         tokens = (filtered + gumbel_noise(keys, token_index, logits.shape[-1])).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def left_align_routes(by_position: torch.Tensor, prompt_lens: list[int], new: int) -> torch.Tensor:
+    """Routes stored per sequence position ([rows, >= P + new, ...]; prompt token j at j, response token t
+    at len(prompt) + t) -> `RolloutOutput.routed_experts`' columns [rows, P + new, ...], P = max(prompt_lens)."""
+    rows, width = len(prompt_lens), max(prompt_lens, default=0) + new
+    shift = width - new - torch.tensor(prompt_lens, dtype=torch.long, device=by_position.device)  # left pads
+    source = torch.arange(width, device=by_position.device)[None] - shift[:, None]
+    index = source.clamp(min=0).view(rows, width, *[1] * (by_position.dim() - 2)).expand(
+        rows, width, *by_position.shape[2:])
+    out = by_position.gather(1, index)
+    blank = torch.arange(by_position.shape[-1], dtype=by_position.dtype, device=by_position.device)
+    return torch.where((source < 0).view(rows, width, *[1] * (by_position.dim() - 2)), blank, out)
 
 
 def pack_output(tokens: list[list[int]], log_probs: list[list[float]], width: int, pad_id: int,

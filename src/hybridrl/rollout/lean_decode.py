@@ -8,6 +8,12 @@ RMSNorm, the fused column-parallel QKV, rotary on the new query and key only, th
 written in place at each row's own position, SDPA with `enable_gqa=True` on the unrepeated cache,
 the row-parallel output projection and one all-reduce, RMSNorm, fused gate/up, down projection and
 one all-reduce. Logits are computed for the last position only and gathered over rollout TP.
+Qwen3's per-head q/k RMSNorm runs between the projection and the rotary embedding. An MoE layer
+(expert parallel size 1: every expert local) routes as megatron's TopKRouter does (fp32 logits,
+softmax then top-k, or top-k then softmax over the k) and runs each expert only on the tokens routed
+to it (one host sync per layer for the counts, hence no CUDA graphs for MoE models); the experts'
+row-parallel partial sums share one all-reduce. A caller that passes `routes=[]` gets each MoE
+layer's chosen expert ids appended (megatron's `top_indices`, [tokens, topk]).
 
 Weights are read, never written: `LeanGPT` holds references to the model's parameters (filled by
 `NativeEngine.load_weights`), so it must be rebuilt after the parameters are replaced, not after
@@ -25,19 +31,33 @@ from hybridrl.parallel.tp_collectives import all_gather_last_dim, all_reduce_
 
 
 @dataclass(frozen=True)
+class MoEWeights:
+    """An MoE layer: the replicated router [E, H] and every expert's fc1 [H, 2F/tp] / fc2 [F/tp, H]."""
+    router: torch.Tensor
+    fc1: tuple
+    fc2: tuple
+    topk: int
+    pre_softmax: bool
+    """megatron's moe_router_pre_softmax: softmax over all experts, then top-k (no renormalisation)."""
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One transformer layer's local shards (column-parallel qkv/fc1, row-parallel proj/fc2).
 
     The matrices are held transposed ([in, out] views of megatron's [out, in] parameters), so a
-    projection is one `mm` / `addmm` with no per-call transpose.
+    projection is one `mm` / `addmm` with no per-call transpose. An MoE layer has `moe` and no fc1/fc2.
     """
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     proj: torch.Tensor
     mlp_norm: torch.Tensor
-    fc1: torch.Tensor
-    fc2: torch.Tensor
+    fc1: torch.Tensor | None
+    fc2: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    moe: MoEWeights | None = None
 
 
 def _norm_weight(norm, fused_linear) -> torch.Tensor:
@@ -46,14 +66,34 @@ def _norm_weight(norm, fused_linear) -> torch.Tensor:
     return weight if weight is not None else fused_linear.layer_norm_weight
 
 
+def moe_weights(mlp, config) -> MoEWeights:
+    """The router and experts of a megatron MoELayer (SequentialMLP or TE's grouped experts)."""
+    experts = mlp.experts
+    if hasattr(experts, "local_experts"):
+        fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+        fc2 = [e.linear_fc2.weight for e in experts.local_experts]
+    else:  # TEGroupedMLP keeps expert e as weight<e> of one grouped linear
+        fc1 = [getattr(experts.linear_fc1, f"weight{e}") for e in range(experts.num_local_experts)]
+        fc2 = [getattr(experts.linear_fc2, f"weight{e}") for e in range(experts.num_local_experts)]
+    if len(fc1) != config.num_moe_experts:
+        raise ValueError(f"the lean decode path needs every expert local (expert parallel size 1), "
+                         f"this layer holds {len(fc1)} of {config.num_moe_experts}")
+    return MoEWeights(mlp.router.weight, tuple(w.t() for w in fc1), tuple(w.t() for w in fc2),
+                      config.moe_router_topk, config.moe_router_pre_softmax)
+
+
 def layer_weights(layer) -> LayerWeights:
-    attn, mlp = layer.self_attention, layer.mlp
+    attn, mlp, config = layer.self_attention, layer.mlp, layer.config
     bias = getattr(attn.linear_qkv, "bias", None)
     bias = bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor for "no bias"
-    return LayerWeights(_norm_weight(layer.input_layernorm, attn.linear_qkv), attn.linear_qkv.weight.t(),
-                        bias, attn.linear_proj.weight.t(),
-                        _norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1), mlp.linear_fc1.weight.t(),
-                        mlp.linear_fc2.weight.t())
+    q_norm, k_norm = (attn.q_layernorm.weight, attn.k_layernorm.weight) if config.qk_layernorm else (None, None)
+    common = dict(input_norm=_norm_weight(layer.input_layernorm, attn.linear_qkv), qkv=attn.linear_qkv.weight.t(),
+                  qkv_bias=bias, proj=attn.linear_proj.weight.t(), q_norm=q_norm, k_norm=k_norm)
+    if config.num_moe_experts:
+        return LayerWeights(mlp_norm=layer.pre_mlp_layernorm.weight, fc1=None, fc2=None,
+                            moe=moe_weights(mlp, config), **common)
+    return LayerWeights(mlp_norm=_norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1),
+                        fc1=mlp.linear_fc1.weight.t(), fc2=mlp.linear_fc2.weight.t(), **common)
 
 
 def _matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,14 +103,34 @@ def _matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight_t.shape[1])
 
 
+def route(h: torch.Tensor, m: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [N, k], routing weights [N, k] fp32) of tokens h [N, H], as megatron's TopKRouter with
+    fp32 router logits and the softmax score function; ids in descending score order."""
+    logits = torch.mm(h.float(), m.router.t().float())
+    if m.pre_softmax:
+        probs, top = torch.softmax(logits, dim=-1).topk(m.topk, dim=-1)
+        return top, probs
+    scores, top = logits.topk(m.topk, dim=-1)
+    return top, torch.softmax(scores, dim=-1)
+
+
 def _check_supported(config) -> None:
-    unsupported = {"qk_layernorm": config.qk_layernorm, "rotary_interleaved": config.rotary_interleaved,
+    unsupported = {"rotary_interleaved": config.rotary_interleaved,
                    "add_bias_linear": config.add_bias_linear, "gated_linear_unit": not config.gated_linear_unit,
                    "normalization": config.normalization != "RMSNorm"}
+    if config.num_moe_experts:  # the router options the lean routing does not reproduce
+        unsupported.update({
+            "moe_router_score_function": config.moe_router_score_function != "softmax",
+            "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+            "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+            "moe_router_num_groups": config.moe_router_num_groups,
+            "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+            "moe_router_load_balancing_type": config.moe_router_load_balancing_type == "sinkhorn",
+            "moe_input_jitter_eps": config.moe_input_jitter_eps})
     bad = [name for name, on in unsupported.items() if on]
     if bad:
-        raise ValueError(f"the lean decode path supports Qwen2/Llama-shaped models only, not {bad}; "
-                         "use NativeEngine(decode='megatron')")
+        raise ValueError(f"the lean decode path supports Qwen2/Qwen3/Llama/Mixtral-shaped models only, not "
+                         f"{bad}; use NativeEngine(decode='megatron')")
 
 
 class DecodeCache:
@@ -111,6 +171,9 @@ class LeanGPT:
         self.eps, self.hidden, self.vocab = config.layernorm_epsilon, spec.hidden_size, spec.vocab_size
         self.vocab_start = groups.tp_rank * self.embedding.shape[0]
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
+        self.moe_layers = sum(w.moe is not None for w in self.layers)
+        self.topk = config.moe_router_topk if self.moe_layers else 0
+        """MoE layers and experts per token: the shape [.., moe_layers, topk] of recorded routes."""
 
     def rotary_tables(self, length: int):
         """(cos, sin_signed) [length, dim] in the weight dtype, from the model's own RotaryEmbedding."""
@@ -139,14 +202,44 @@ class LeanGPT:
         lead = x.shape[:-1]
         qkv = _matmul(self._norm(x, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(*lead, self.groups_per_rank, self.rep + 2, self.dim)  # per group: [q heads; k; v]
-        qk = _rotate(qkv[..., :self.rep + 1, :], cos, sin)
-        return qk[..., :self.rep, :].reshape(*lead, self.heads, self.dim), qk[..., self.rep, :], qkv[..., -1, :]
+        if w.q_norm is None:
+            qk = _rotate(qkv[..., :self.rep + 1, :], cos, sin)
+            q, k = qk[..., :self.rep, :], qk[..., self.rep, :]
+        else:  # per-head RMSNorm before RoPE, each with its own weight (as megatron's q/k_layernorm)
+            q = _rotate(F.rms_norm(qkv[..., :self.rep, :], (self.dim,), w.q_norm, self.eps), cos, sin)
+            k = _rotate(F.rms_norm(qkv[..., self.rep, :], (self.dim,), w.k_norm, self.eps), cos[..., 0, :],
+                        sin[..., 0, :])
+        return q.reshape(*lead, self.heads, self.dim), k, qkv[..., -1, :]
 
-    def _finish_layer(self, w: LayerWeights, x, attn):
+    def _finish_layer(self, w: LayerWeights, x, attn, routes: list | None = None):
         """x + proj(attn), then the MLP half; one all-reduce per half (row-parallel partial sums)."""
         x = x.add_(all_reduce_(_matmul(attn, w.proj), self.tp_group, self.tp))
-        gate, up = _matmul(self._norm(x, w.mlp_norm), w.fc1).chunk(2, dim=-1)
+        h = self._norm(x, w.mlp_norm)
+        if w.moe is not None:
+            return x.add_(all_reduce_(self._experts(w.moe, h, routes), self.tp_group, self.tp))
+        gate, up = _matmul(h, w.fc1).chunk(2, dim=-1)
         return x.add_(all_reduce_(_matmul(F.silu(gate).mul_(up), w.fc2), self.tp_group, self.tp))
+
+    def _experts(self, m: MoEWeights, h, routes: list | None):
+        """This rank's partial sum of sum_k prob_k * expert_k(h) for h [*lead, H] (before the all-reduce)."""
+        flat = h.reshape(-1, h.shape[-1])
+        top, probs = route(flat, m)
+        if routes is not None:
+            routes.append(top)
+        # the (token, k) assignments grouped by expert: each expert sees only its own tokens
+        order = top.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(top.reshape(-1), minlength=len(m.fc1)).tolist()  # one host sync per layer
+        token, prob = order // m.topk, probs.reshape(-1)[order]
+        out, start = torch.zeros_like(flat), 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = token[start:start + count]
+                gate, up = _matmul(flat.index_select(0, rows), m.fc1[e]).chunk(2, dim=-1)
+                # megatron scales the activation by the fp32 routing weight, back in the model dtype
+                act = (F.silu(gate).mul_(up) * prob[start:start + count, None]).to(flat.dtype)
+                out.index_add_(0, rows, _matmul(act, m.fc2[e]))
+            start += count
+        return out.view_as(h)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[n, H] last hidden states -> [n, V] fp32 logits over the true vocabulary."""
@@ -157,8 +250,9 @@ class LeanGPT:
 
     @torch.no_grad()
     def prefill(self, cache: DecodeCache, slots: torch.Tensor, tokens: torch.Tensor,
-                last: torch.Tensor) -> torch.Tensor:
+                last: torch.Tensor, routes: list | None = None) -> torch.Tensor:
         """New prompts [k, P] (right-padded) into cache slots [k]; logits [k, V] at positions `last` [k].
+        routes: a list to which each MoE layer appends its expert ids [k * P, topk] (row-major).
 
         Causal attention within each prompt is exact for its real positions; the pads' keys land
         beyond each prompt's end, where decoding overwrites them before any query can see them.
@@ -173,15 +267,16 @@ class LeanGPT:
             cache.values[i][slots, :, :length] = value
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), key, value, is_causal=True,
                                                   scale=self.scale, enable_gqa=True)
-            x = self._finish_layer(w, x, attn.transpose(1, 2).reshape(k, length, self.heads * self.dim))
+            x = self._finish_layer(w, x, attn.transpose(1, 2).reshape(k, length, self.heads * self.dim), routes)
         return self.logits(x[torch.arange(k, device=x.device), last])
 
     @torch.no_grad()
     def decode(self, cache: DecodeCache, tokens: torch.Tensor, pos: torch.Tensor, length: int,
-               masked: bool = True) -> torch.Tensor:
+               masked: bool = True, routes: list | None = None) -> torch.Tensor:
         """One token per slot 0..n-1 (`tokens`, `pos` [n]); keys [0, length) attended; logits [n, V].
 
         masked=False: every row is at position length - 1, so no key needs masking.
+        routes: a list to which each MoE layer appends its expert ids [n, topk].
         """
         n = tokens.shape[0]
         rows = torch.arange(n, device=tokens.device)
@@ -198,5 +293,5 @@ class LeanGPT:
             attn = F.scaled_dot_product_attention(
                 q[:, :, None], cache.keys[i][:n, :, :length], cache.values[i][:n, :, :length],
                 attn_mask=mask, scale=self.scale, enable_gqa=True)
-            x = self._finish_layer(w, x, attn.reshape(n, self.heads * self.dim))
+            x = self._finish_layer(w, x, attn.reshape(n, self.heads * self.dim), routes)
         return self.logits(x)

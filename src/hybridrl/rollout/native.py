@@ -11,6 +11,11 @@ decode over the model's own tensors (`lean_decode.py`) with continuous batching 
 graphs per batch-size bucket (`cuda_graphs.py`). `decode="megatron"` runs megatron's own forward
 with its `StaticInferenceContext` (`megatron_static.py`). Both gather logits over rollout TP and
 sample with the shared per-request seeded rule of `base.py`, so every TP rank draws the same tokens.
+
+MoE models run with expert parallel size 1 in the engine (every expert on every rank, split over
+rollout TP as the dense MLP is); the lean path runs them eagerly (its expert loop syncs with the host).
+`record_routes=True` (lean path) returns the experts each token was routed to
+(`RolloutOutput.routed_experts`).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from hybridrl.models.gpt import GPTSpec, build_gpt
 from hybridrl.models.hf_config import check_parallel_layout
 from hybridrl.placement.offload import TensorStash
 from hybridrl.placement.reshard import RolloutGroups, join_requests, new_rollout_groups
-from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output
+from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, left_align_routes, pack_output
 from hybridrl.placement.fingerprint import Stored, hf_region, weight_digest
 from hybridrl.rollout.continuous_batching import SlotBatch
 from hybridrl.rollout.lean_decode import LeanGPT
@@ -49,18 +54,34 @@ def _default_process_groups(pg_collection):
         PGC.use_mpu_process_groups = saved
 
 
-def build_rollout_model(spec: GPTSpec, groups: RolloutGroups, dtype: str = "float32"):
-    """GPTModel at rollout TP (PP 1) on `groups`, in eval mode, weights uninitialised."""
+def rollout_process_groups(groups: RolloutGroups):
+    """megatron's ProcessGroupCollection of the engine: TP = rollout TP, PP = CP = 1, and for MoE layers
+    EP = 1 (every expert local) with the experts split over the same TP group (expert TP = TP)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    pgc = ProcessGroupCollection(tp=groups.tp_group, pp=groups.solo_group, cp=groups.solo_group,
-                                 tp_cp=groups.tp_group, mp=groups.tp_group, embd=None, pos_embd=None)
-    with _default_process_groups(pgc):
-        model = build_gpt(spec, groups.tp, 1, 0, dtype, perform_initialization=False)
+    tp, solo = groups.tp_group, groups.solo_group
+    return ProcessGroupCollection(tp=tp, pp=solo, cp=solo, tp_cp=tp, mp=tp, embd=None, pos_embd=None,
+                                  ep=solo, expt_tp=tp, expt_dp=solo, tp_ep=tp, tp_ep_pp=tp, tp_dp_cp=tp)
+
+
+def build_rollout_model(spec: GPTSpec, groups: RolloutGroups, dtype: str = "float32"):
+    """GPTModel at rollout TP (PP 1, EP 1) on `groups`, in eval mode, weights uninitialised."""
+    with _default_process_groups(rollout_process_groups(groups)):
+        # ep/etp explicit: the training layout's expert parallel size in parallel_state does not apply
+        model = build_gpt(spec, groups.tp, 1, 0, dtype, ep=1, etp=groups.tp if spec.is_moe else None,
+                          perform_initialization=False)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def _check_moe_options(spec: GPTSpec, decode: str, record_routes: bool) -> None:
+    if record_routes and not spec.is_moe:
+        raise ValueError("record_routes=True needs an MoE model (routes are the experts each token went to); "
+                         "this model is dense: leave it off")
+    if record_routes and decode == "megatron":
+        raise ValueError("record_routes=True is implemented on the lean decode path only; use decode='lean'")
 
 
 class NativeEngine:
@@ -69,20 +90,22 @@ class NativeEngine:
     `groups`: the engine's `RolloutGroups`; anything else (None, the training `ParallelGroups`) means
     `new_rollout_groups(rollout_tp)` (collective on the world the first time). `max_num_seqs`: KV-cache
     slots of the lean path (the batch bound of the megatron path). `enforce_eager`: no CUDA graphs.
+    `record_routes` (MoE models, lean path): every output carries `routed_experts` (routing replay).
     """
 
     def __init__(self, spec: GPTSpec, rollout_tp: int = 1, groups: RolloutGroups | None = None,
                  dtype: str = "float32", pad_id: int = 0, eos_id: int | None = None,
                  max_num_seqs: int = 256, offload_weights_on_sleep: bool | None = None,
-                 enforce_eager: bool = False, decode: str = "lean"):
+                 enforce_eager: bool = False, decode: str = "lean", record_routes: bool = False):
         check_parallel_layout(spec, rollout_tp, 1)
+        _check_moe_options(spec, decode, record_routes)
         self.groups = groups if isinstance(groups, RolloutGroups) else new_rollout_groups(rollout_tp)
         if self.groups.tp != rollout_tp:
             raise ValueError(f"groups have tp={self.groups.tp}, engine asked for rollout_tp={rollout_tp}")
         if decode not in ("lean", "megatron"):
             raise ValueError(f"decode must be 'lean' or 'megatron', got {decode!r}")
         self.spec, self.pad_id, self.eos_id, self.max_num_seqs = spec, pad_id, eos_id, max_num_seqs
-        self.decode, self.enforce_eager = decode, enforce_eager
+        self.decode, self.enforce_eager, self.record_routes = decode, enforce_eager, record_routes
         self.between_steps = None
         """Partial rollout (lean path): called between decode steps; True when it replaced the weights."""
         self.model = build_rollout_model(spec, self.groups, dtype)
@@ -186,17 +209,27 @@ class NativeEngine:
         stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         rows_out = slice(lo * sampling.n, hi * sampling.n)
         if not rows:  # no request on any rank of the group (e.g. an agent loop with every episode done)
-            return pack_output([], [], sampling.max_new_tokens, self.pad_id,
-                               {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0})
+            out = pack_output([], [], sampling.max_new_tokens, self.pad_id,
+                              {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0})
+            if self.record_routes:
+                out.routed_experts = torch.zeros(0, sampling.max_new_tokens, self.spec.num_layers,
+                                                 self.spec.moe_topk, dtype=torch.int16)
+            return out
         if self.decode == "megatron":
             return self._generate_megatron(rows, sampling, stops, rows_out)
-        graphs = "capture" if self.device.type == "cuda" and not self.enforce_eager else "off"
+        # the MoE expert loop reads each expert's token count on the host: no CUDA graphs
+        eager = self.enforce_eager or self.spec.is_moe
+        graphs = "capture" if self.device.type == "cuda" and not eager else "off"
         batch = SlotBatch(LeanGPT(self.model, self.spec, self.groups), rows, sampling, stops, self.pad_id,
-                          self.max_num_seqs, graphs, self.between_steps)
+                          self.max_num_seqs, graphs, self.between_steps, self.record_routes)
         responses, mask, log_probs = batch.run()
         epochs = torch.tensor(batch.row_epoch)[rows_out] if batch.epoch else None
+        routes = None
+        if batch.routes is not None:
+            lens = [len(p) for p, _ in rows[rows_out]]
+            routes = left_align_routes(batch.routes[rows_out], lens, sampling.max_new_tokens).cpu()
         return RolloutOutput(responses[rows_out].cpu(), mask[rows_out].cpu(), log_probs[rows_out].cpu(),
-                             batch.stats, weight_epochs=epochs)
+                             batch.stats, weight_epochs=epochs, routed_experts=routes)
 
     def _generate_megatron(self, rows, sampling: SamplingParams, stops: set, rows_out: slice) -> RolloutOutput:
         tokens, log_probs, stats = [], [], {"rollout/forward_tokens": 0, "rollout/generated_tokens": 0}
