@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.models.hf_checkpoint import weight_state
+from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
 from hybridrl.placement.fingerprint import VERIFY_MODES, hf_region, weight_digest
 
 
@@ -207,10 +207,14 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
     qkv = _is_qkv(global_name)
     target = staging.scratch if qkv else staging.take
     owner = hc.owner_stage(global_name, spec, groups.pp)
-    if groups.pp_rank == owner:
+    expert_owner = hc.owner_ep_rank(global_name, spec, groups.ep) if groups.ep > 1 else None
+    if groups.pp_rank == owner and expert_owner in (None, groups.ep_rank):
         full = _gather_tp(global_name, local[global_name].detach(), groups, staging, target)
     else:
         full = target(hc.mcore_full_shape(global_name, spec, groups.tp))
+    if expert_owner is not None and groups.pp_rank == owner:  # an expert from the EP rank holding it
+        full = full.contiguous()
+        dist.broadcast(full, group=groups.ep_group, group_src=expert_owner)
     if groups.pp > 1:
         dist.broadcast(full, group=groups.pp_group, group_src=owner)
     parts = hc.shard_parts(global_name, full, spec, 1, 0)
@@ -225,15 +229,15 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
 
 
 def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (hf_name, full tensor), every rank getting all of them; collective over the replica.
+    """Buckets of (hf_name, full tensor), every rank getting all of them; collective over the replica
+    (and over expert-parallel peers, each expert coming from the rank that holds it).
 
     A bucket holds whole megatron tensors (q/k/v or gate/up never straddle two buckets) whose full
     sizes sum to <= bucket_bytes; a tensor larger than that is a bucket of its own. The tensors live
     in one reused bucket buffer (or are views of the training parameters where nothing had to move):
     consume each bucket before asking for the next, and before the next optimizer step.
     """
-    offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
-    local = {hc.local_to_global(k, offset): v for k, v in weight_state(model).items()}
+    local = global_weight_state(model, spec, groups)
     sample = next(iter(local.values()))
     names = list(hc.hf_to_mcore_name_map(spec))
     staging = _Staging(names, spec, groups.tp, bucket_bytes, sample.dtype, sample.device)
@@ -371,10 +375,10 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
 
 
 def takes_shards(engine, model, groups) -> bool:
-    """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1."""
+    """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1, EP 1."""
     layout = getattr(engine, "shard_layout", None)
     dtype = next(iter(weight_state(model).values())).dtype
-    return layout is not None and groups.pp == 1 and layout() == (groups.tp, groups.tp_rank, dtype)
+    return layout is not None and groups.pp == 1 and groups.ep == 1 and layout() == (groups.tp, groups.tp_rank, dtype)
 
 
 def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float = 64,
