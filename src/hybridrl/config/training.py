@@ -13,7 +13,7 @@ class OptimConfig:
     lr: float = 1e-6
     """Peak learning rate."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW)."""
+    """Decoupled weight decay (AdamW) of the weight matrices; norms and biases are not decayed (megatron's rule)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam betas."""
     eps: float = 1e-8

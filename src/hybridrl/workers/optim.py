@@ -6,9 +6,13 @@ For fp16 its dynamic loss scaler multiplies the loss before backward through the
 gradients overflowed while it lowers the scale. megatron-core's grad clipping asserts CUDA tensors,
 so on CPU the same contract is met by torch AdamW plus a global grad-norm computed over the
 model-parallel group (each parameter counted once); it has no loss scaler, so fp16 is refused there.
+
+Both paths leave 1-D parameters (norms) and biases undecayed, as megatron's own scheduler does
+through its `wd_mult=0` parameter group (`set_group_hyperparams`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,6 +43,32 @@ def _counts_once(param, groups: ParallelGroups) -> bool:
     return getattr(param, "tensor_model_parallel", False) or groups.tp_rank == 0
 
 
+def no_weight_decay(name: str, param) -> bool:
+    """megatron's default rule (Megatron-LM's and verl's too): norms (1-D) and biases are not decayed."""
+    return param.dim() == 1 or name.endswith(".bias")
+
+
+def set_group_hyperparams(param_groups, lr: float, weight_decay: float) -> None:
+    """What megatron's scheduler sets on every step: each group's lr and weight decay times the group's
+    multipliers (`wd_mult` is 0 in the group of norms and biases)."""
+    for group in param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer, step: float = 0.0) -> None:
+    """Fill in what Adam's first step would create and is still missing: `step` and zero moments.
+    A sharded load needs these placeholders, and a save before the first update writes them."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(float(step))
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 class LRSchedule:
     """Where a role is in its LR schedule: one position per training step (as verl steps its scheduler),
     however many optimizer steps (mini-batches x ppo_epochs) a training step takes."""
@@ -57,10 +87,14 @@ class CpuOptimizer(LRSchedule):
     """torch AdamW over megatron DDP's main_grad buffers, with a global grad-norm clip."""
 
     def __init__(self, module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int):
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        param_groups = [{"params": [p for n, p in named if no_weight_decay(n, p) == skip], "wd_mult": float(not skip)}
+                        for skip in (False, True)]
+        param_groups = [g for g in param_groups if g["params"]]
+        self.params = [p for g in param_groups for p in g["params"]]  # the optimizer's order (its state ids)
         self.cfg, self.groups, self.total_steps = cfg, groups, total_steps
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                     weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay)
         self.step_count = 0
 
     def grad_norm(self) -> float:
@@ -87,23 +121,13 @@ class CpuOptimizer(LRSchedule):
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_group_hyperparams(self.optimizer.param_groups, lr, self.cfg.weight_decay)
         self.optimizer.step()
         self.step_count += 1
         return True, norm, lr
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _init_state(self) -> None:
-        """AdamW's state as its first step creates it (step 0, zero moments): the placeholders a
-        sharded load fills in, and what a save writes before the first update."""
-        for p in self.params:
-            state = self.optimizer.state[p]
-            if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         """The AdamW moments as ShardedTensors laid out like their parameters, under megatron's names
@@ -112,7 +136,7 @@ class CpuOptimizer(LRSchedule):
         from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                                 optim_state_to_sharding_state)
 
-        self._init_state()
+        init_adam_state(self.optimizer)
         state = self.optimizer.state_dict()
         id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
         if len(id_to_sharded) != len(self.params):
@@ -151,6 +175,8 @@ class MegatronOptimizer(LRSchedule):
                                params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer,
                                initial_loss_scale=INITIAL_LOSS_SCALE)
         self.optimizer = get_megatron_optimizer(ocfg, [module])
+        for member in self.optimizer.chained_optimizers:
+            map_states_in_inner_order(member)
         # the schedules multiply each micro-batch loss by this before backward (1 without a scaler)
         get_model_config(module).grad_scale_func = self.optimizer.scale_loss
         self.skips_overflow_steps = fp16
@@ -161,13 +187,30 @@ class MegatronOptimizer(LRSchedule):
     def loss_scale(self) -> float:
         return float(self.optimizer.get_loss_scale())
 
+    def _torch_optimizers(self) -> list:
+        return [m.optimizer for m in self.optimizer.chained_optimizers if getattr(m, "optimizer", None) is not None]
+
     def step(self):
+        """megatron's ChainedOptimizer.step plus the CPU path's check: a non-finite grad norm stops the
+        step before anything is applied (without a loss scaler megatron sees no overflow, and a NaN
+        norm is never above clip_grad). Returns (updated, grad_norm, lr)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
         lr = self.current_lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        updated, norm, _ = self.optimizer.step()
-        self.step_count += int(bool(updated))
-        return bool(updated), float(norm if norm is not None else float("nan")), lr
+        set_group_hyperparams(self.optimizer.param_groups, lr, self.cfg.weight_decay)
+        if self.optimizer.prepare_grads():  # fp16: the scaler found inf/NaN and lowers its scale
+            return False, float("nan"), lr
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            return False, norm, lr
+        if self.cfg.clip_grad > 0:
+            for member in self.optimizer.chained_optimizers:
+                params = [] if getattr(member, "is_stub_optimizer", False) else member.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=self.cfg.clip_grad, total_norm=norm)
+        updated = bool(self.optimizer.step_with_ready_grads())
+        self.step_count += int(updated)
+        return updated, norm, lr
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -175,7 +218,11 @@ class MegatronOptimizer(LRSchedule):
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         """megatron's own optimizer sharded state dict. The distributed optimizer's param_state (fp32
         master shards, Adam moments: what its plain `state_dict()` leaves out) is written in the
-        `fully_reshardable` format, parameter-shaped like the CPU path, so it loads at any layout."""
+        `fully_reshardable` format, parameter-shaped like the CPU path, so it loads at any layout.
+        Adam's state is filled in first: before the first update torch's AdamW has none, and the
+        distributed optimizer's `state_dict()` asserts one `step` in it (without TE or apex)."""
+        for inner in self._torch_optimizers():
+            init_adam_state(inner)
         return {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
                                                                metadata=self.CHECKPOINT_METADATA),
                 "step_count": self.step_count, "schedule_step": self.schedule_step}
@@ -183,9 +230,82 @@ class MegatronOptimizer(LRSchedule):
     def load_sharded_state_dict(self, state: dict) -> None:
         # DistributedOptimizer.load_state_dict restores param_state into its fp32 main shards; the
         # mixed-precision optimizers copy main params back into the model on their next step.
-        self.optimizer.load_state_dict(state["optimizer"])
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
         self.step_count = int(state["step_count"])
         self.schedule_step = int(state["schedule_step"])
+        members = self.optimizer.chained_optimizers
+        parts = [state["optimizer"]] if len(members) == 1 else [state["optimizer"][i] for i in range(len(members))]
+        for member, part in zip(members, parts):
+            if not isinstance(member, DistributedOptimizer):  # megatron writes no step 0 (`if step:`);
+                inner = part.get("optimizer", part)  # torch's AdamW refuses states without one
+                inner["state"].setdefault("common_step", torch.tensor(float(self.step_count)))
+        self.optimizer.load_state_dict(state["optimizer"])
+        for inner in self._torch_optimizers():  # the distributed optimizer gives every state one `step`
+            for param_state in inner.state.values():  # tensor, which AdamW would advance once per parameter
+                param_state["step"] = param_state["step"].detach().clone()
+
+
+def map_states_in_inner_order(member) -> None:
+    """Make megatron's mixed-precision optimizers find each parameter's state where their inner torch
+    optimizer keeps it when the model mixes dtypes (the local layer spec keeps norms in fp32 in a bf16
+    model). Both assume one dtype: the distributed optimizer indexes states in the DDP buffer's order
+    although its groups list fp32 shards first (its checkpoints then read other parameters' states),
+    and the other one maps states through its 16-bit parameters alone (`mixed_precision_sharded_state`).
+    The distributed optimizer's load also copies every state key of torch's AdamW from the checkpoint's
+    tensors, which never hold `step` (it comes from the param groups): the copy leaves `step` alone."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if isinstance(member, DistributedOptimizer):
+        groups = zip(member.model_fp32_groups, member.model_float16_groups)
+        member.model_param_group_index_map = {p: (g, i) for g, (fp32, half) in enumerate(groups)
+                                              for i, p in enumerate([*fp32, *half])}
+        member._set_main_param_and_optimizer_states = functools.partial(
+            _set_states_but_step, member, member._set_main_param_and_optimizer_states)
+    elif isinstance(member, Float16OptimizerWithFloat16Params):
+        member.sharded_state_dict = functools.partial(mixed_precision_sharded_state, member)
+
+
+def _set_states_but_step(member, set_states, model_param, tensors) -> None:
+    g, i = member.model_param_group_index_map[model_param]
+    state = member.optimizer.state[member.optimizer.param_groups[g]["params"][i]]
+    step = state.pop("step", None)
+    try:
+        set_states(model_param, tensors)
+    finally:
+        if step is not None:
+            state["step"] = step
+
+
+def mixed_precision_sharded_state(member, model_sharded_state_dict: dict, is_loading: bool = False,
+                                  metadata: dict | None = None) -> dict:
+    """megatron's Float16OptimizerWithFloat16Params.sharded_state_dict, with each optimizer state
+    mapped to its model parameter in the inner optimizer's order. megatron's maps ids through the
+    half-precision parameters alone, so fp32 parameters among them (the local layer spec's norms)
+    shift every later state onto another parameter. Same keys as megatron's."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            make_sharded_optimizer_tensor,
+                                                            optim_state_to_sharding_state)
+
+    state = member.state_dict()
+    model_params, masters = [], []  # per inner parameter its model parameter; (state id, group, fp32 master)
+    for g, group in enumerate(member.optimizer.param_groups):
+        half_of = {id(m): h for m, h in zip(member.fp32_from_float16_groups[g], member.float16_groups[g])}
+        for p in group["params"]:
+            if id(p) in half_of:
+                masters.append((len(model_params), g, p))
+            model_params.append(half_of.get(id(p), p))
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
+    fp32 = [[] for _ in member.fp32_from_float16_groups]
+    for i, g, master in masters:
+        fp32[g].append(make_sharded_optimizer_tensor(id_map[i], master, prefix="optimizer.state.fp32_param"))
+    state["fp32_from_fp16_params"] = fp32
+    step = member._extract_common_per_param_step(state["optimizer"])
+    optim_state_to_sharding_state(state["optimizer"], id_map, exclude_keys="step")
+    if step:
+        state["optimizer"]["state"]["common_step"] = step
+    return state
 
 
 def build_optimizer(module, cfg: OptimConfig, groups: ParallelGroups, total_steps: int,
