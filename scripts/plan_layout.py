@@ -15,7 +15,7 @@ Runs on a laptop: no GPU, no process groups, no model weights (placeholder model
 import argparse
 import sys
 
-from hybridrl.config import ConfigError
+from hybridrl.log import run_cli
 
 
 def parse_args(argv):
@@ -95,24 +95,23 @@ def auto_placement(cfg, args, world: int, gpus: int) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_cli(plan_or_place, args)
+
+
+def plan_or_place(args) -> int:
     from hybridrl.config.io import load_config
     from hybridrl.planner.plan import PlanError, estimate, plan
 
+    cfg = load_config(args.config, args.overrides)
+    gpus = args.gpus_per_node or cfg.parallel.gpus_per_node
+    world = args.nodes * gpus
+    if args.placement == "auto":
+        return auto_placement(cfg, args, world, gpus)
     try:
-        cfg = load_config(args.config, args.overrides)
-        gpus = args.gpus_per_node or cfg.parallel.gpus_per_node
-        world = args.nodes * gpus
-        if args.placement == "auto":
-            return auto_placement(cfg, args, world, gpus)
-        try:
-            print(plan(cfg, world, args.vocab_size, gpus).render())
-        except PlanError as err:
-            print(estimate(cfg, world, args.vocab_size, gpus).render())
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        print(plan(cfg, world, args.vocab_size, gpus).render())
+    except PlanError:
+        print(estimate(cfg, world, args.vocab_size, gpus).render())  # what does not fit, then the error line
+        raise
     return 0
 
 

@@ -6,6 +6,7 @@ One horizontal track per rank, one colour per phase name (waits in grey), nested
 on top of their parent, one time axis shared by all files, a legend, and a title per file with its
 wall time, each role's busy share and, when it holds several roles, their overlap. Draws with
 matplotlib when it is installed, else Pillow, else a built-in PNG writer, so a fresh clone can run it.
+Bad input ends in one `error: ...` line and exit code 2.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from hybridrl.log import UsageError, run_cli  # noqa: E402
 from hybridrl.timeline import WAIT_PREFIX, busy_share, overlap, read_trace, role_groups  # noqa: E402
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
@@ -48,11 +50,19 @@ def _depths(spans):
     return out
 
 
+TRACE_FIX = "pass the timeline.json a run writes under trainer.timeline_dir"
+
+
 def load_panel(path: str) -> Panel:
-    events = read_trace(path)
-    spans = [e for e in events if e.get("ph") == "X"]
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file; {TRACE_FIX}")
+    try:
+        events = read_trace(path)
+        spans = [e for e in events if e.get("ph") == "X"]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # not JSON, or not a list of event objects
+        raise UsageError(f"{path} is not a Chrome-trace JSON file ({type(err).__name__}: {err}); {TRACE_FIX}") from None
     if not spans:
-        raise SystemExit(f"{path}: no complete ('X') events to draw")
+        raise UsageError(f"{path}: no complete ('X') events to draw; {TRACE_FIX}")
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     window = (min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans))  # microseconds
     t0, duration_s = window[0], (window[1] - window[0]) / 1e6
@@ -298,7 +308,7 @@ def plot(paths, output, width=1200, height=None, backend="auto") -> str:
     return output
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+", help="Chrome-trace JSON files, drawn top to bottom")
     parser.add_argument("-o", "--output", default="timeline.png")
@@ -307,8 +317,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", choices=["auto", *BACKENDS], default="auto",
                         help="auto: matplotlib, else Pillow, else the built-in PNG writer")
     args = parser.parse_args(argv)
-    print(plot(args.traces, args.output, args.width, args.height, args.backend))
+    return run_cli(lambda: print(plot(args.traces, args.output, args.width, args.height, args.backend)))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

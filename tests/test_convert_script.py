@@ -56,17 +56,49 @@ def test_torchrun_round_trip_loads_in_transformers(hf_folder, tmp_path):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_script_errors_name_the_problem(hf_folder, tmp_path):
-    from hybridrl.models.hf_config import UnsupportedConfigError
+def _one_error(capsys, code, *fragments):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
 
+
+def test_script_errors_name_the_problem(hf_folder, tmp_path, capsys):
     script = _script()
-    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp=4"):
-        script.main(["hf-to-mcore", "--input", hf_folder, "--output", str(tmp_path / "x"), "--tp", "4"])
+    code = script.main(["hf-to-mcore", "--input", hf_folder, "--output", str(tmp_path / "x"), "--tp", "4"])
+    _one_error(capsys, code, "--tp 4 --pp 1 does not fit", "num_key_value_heads=2 is not divisible by tp=4")
     bad = tmp_path / "bad"
     bad.mkdir()
     cfg = open(os.path.join(hf_folder, "config.json")).read().replace('"silu"', '"gelu"')
     (bad / "config.json").write_text(cfg)
-    with pytest.raises(UnsupportedConfigError, match="hidden_act='gelu'"):
-        script.main(["hf-to-mcore", "--input", str(bad), "--output", str(tmp_path / "y")])
-    with pytest.raises(FileNotFoundError, match="no spec.json"):
-        script.main(["mcore-to-hf", "--input", str(bad), "--output", str(tmp_path / "z")])
+    _one_error(capsys, script.main(["hf-to-mcore", "--input", str(bad), "--output", str(tmp_path / "y")]),
+               "hidden_act='gelu'")
+    _one_error(capsys, script.main(["mcore-to-hf", "--input", str(bad), "--output", str(tmp_path / "z")]),
+               "has no spec.json", "hf-to-mcore")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _one_error_line(proc, *fragments):
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_bad_input_through_the_command_line(tmp_path):
+    """Issue 33's cases, as a user meets them: an unsupported HF folder, a missing megatron folder."""
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    _one_error_line(_run("hf-to-mcore", "--input", str(gpt2), "--output", str(tmp_path / "a")),
+                    "model_type='gpt2'", "supported: ")
+    _one_error_line(_run("mcore-to-hf", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "b")),
+                    f"--input {tmp_path / 'missing'}: no such folder", "hf-to-mcore")
+    _one_error_line(_run("ckpt-to-hf", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "c")),
+                    "no such folder", "global_step_*")

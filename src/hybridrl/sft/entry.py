@@ -5,8 +5,8 @@ import argparse
 import sys
 import warnings
 
-from hybridrl.config import ConfigError
-from hybridrl.trainer.entry import QUIET, user_errors
+from hybridrl.log import run_cli
+from hybridrl.trainer.entry import QUIET
 
 
 def main(argv=None) -> int:
@@ -18,11 +18,10 @@ def main(argv=None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from hybridrl.config.io import load_config
 
-    try:
+    def train():
         cfg = load_config(args.config, args.overrides)
         from hybridrl.sft.trainer import run_sft
 
-        return run_sft(cfg) or 0
-    except (ConfigError, *user_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return run_sft(cfg)
+
+    return run_cli(train)

@@ -1,7 +1,7 @@
 """Command line of scripts/train_ppo.py (and train_rm.py): arguments, config loading, clean failure messages.
 
-A ConfigError (or any hybridrl user error) ends the process with one message and exit code 2,
-never a traceback.
+A ConfigError (or any hybridrl user error, see `hybridrl.log.run_cli`) ends the process with one
+message and exit code 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import sys
 import warnings
 
-from hybridrl.config import ConfigError
+from hybridrl.log import run_cli
 from hybridrl.parallel.distributed import die_with_parent_if_spawned
 
 die_with_parent_if_spawned()  # a spawned helper (async checkpoint writer) imports this module as it starts
@@ -47,27 +47,4 @@ def run_with_config(args, body) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     from hybridrl.config.io import load_config
 
-    try:
-        return body(load_config(args.config, args.overrides)) or 0
-    except (ConfigError, *user_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def user_errors() -> tuple:
-    """Exception types that carry a message for the user rather than a bug report."""
-    errors = []
-    for module, name in (("hybridrl.data.prompts", "DataError"), ("hybridrl.tokenizer", "TokenizerError"),
-                         ("hybridrl.rewards.registry", "RewardError"),
-                         ("hybridrl.models.hf_config", "UnsupportedConfigError"),
-                         ("hybridrl.models.hf_checkpoint", "CheckpointMismatchError"),
-                         ("hybridrl.placement.reshard", "HandoffError"), ("hybridrl.trainer.ppo", "TrainingError"),
-                         ("hybridrl.trainer.dynamic_sampling", "FilterGroupsError"),
-                         ("hybridrl.checkpoint", "CheckpointError"), ("hybridrl.metrics", "LoggerError"),
-                         ("hybridrl.parallel.distributed", "LaunchError"),
-                         ("hybridrl.trainer.split", "PeerLostError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+    return run_cli(lambda: body(load_config(args.config, args.overrides)))
