@@ -56,11 +56,13 @@ class ModelEngine:
         return self._from_last_stage(stats if self.groups.is_last_stage else None)
 
     def _from_last_stage(self, obj):
+        """The last stage's results on every stage. They travel pickled, on the host: a pickled CUDA
+        tensor would unpickle onto the sender's GPU."""
         if self.groups.pp == 1:
             return obj
-        holder = [obj]
+        holder = [_to_device(obj, "cpu") if self.groups.is_last_stage else None]
         dist.broadcast_object_list(holder, src=self._last_stage_rank, group=self.groups.pp_group)
-        return holder[0]
+        return obj if self.groups.is_last_stage else _to_device(holder[0], self.groups.device)
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
@@ -75,6 +77,17 @@ class ModelEngine:
         """DP all-reduce of the gradients (megatron DDP's buffers)."""
         if hasattr(self.module, "finish_grad_sync"):
             self.module.finish_grad_sync()
+
+
+def _to_device(obj, device):
+    """`obj` (tensors in dicts, lists and tuples) with its tensors moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
 
 
 def dp_sum(values: Dict[str, float], groups: ParallelGroups) -> Dict[str, float]:
