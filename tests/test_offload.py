@@ -1,12 +1,15 @@
-"""Offload / onload bookkeeping: storages freed while offloaded, every tensor back bit-exactly in place.
+"""Offload / onload bookkeeping: storages freed while offloaded, every tensor back bit-exactly in place
+(gradients come back zeroed: never copied, since every update zeroes them first).
 
 On CPU "host memory" is the same device, so the tests check what matters on a GPU too: the original
 storages shrink to 0 bytes, the copies hold the values, and onload restores them in the same tensor
-objects (views into megatron DDP's contiguous buffers stay views).
+objects (views into megatron DDP's contiguous buffers stay views); the bytes copied and the host
+buffers they go to are counted (`copy_spy.CopySpy`).
 """
 import pytest
 import torch
 
+from copy_spy import CopySpy
 from dist_helper import run_distributed
 
 from hybridrl.config import OffloadConfig
@@ -24,10 +27,12 @@ def _snapshot(tensors):
     return [(t, t.detach().clone(), t.device, t.untyped_storage()) for t in tensors]
 
 
-def _assert_restored(snapshot):
+def _assert_restored(snapshot, zeroed=()):
+    """Every tensor back in place with its values; those in `zeroed` (gradients) back as zeros."""
+    zeroed = {id(t) for t in zeroed}
     for t, ref, device, storage in snapshot:
         assert t.device == device and t.untyped_storage() is storage
-        assert t.dtype == ref.dtype and torch.equal(t, ref)
+        assert t.dtype == ref.dtype and torch.equal(t, torch.zeros_like(ref) if id(t) in zeroed else ref)
 
 
 def _tiny_model_and_optimizer():
@@ -52,11 +57,31 @@ def test_offload_frees_and_onload_restores_plain_module():
     assert off.offload() == {}  # idempotent
     assert all(t.untyped_storage().nbytes() == 0 for t in params + grads + states)
     off.onload()
-    _assert_restored(snap)
+    _assert_restored(snap, zeroed=grads)
     assert model[2].weight is model[0].weight
     # the optimizer keeps working on the restored state
     model(torch.arange(5)).sum().backward()
     opt.step()
+
+
+def test_offload_copies_no_gradient_and_reuses_its_host_buffers():
+    """Two offload cycles: the bytes copied out and back are the parameters' and the optimizer's only,
+    into the same host buffers both times (the spy holds the first cycle's, so no address is reused)."""
+    model, opt = _tiny_model_and_optimizer()
+    params, grads, states = param_tensors(model), grad_tensors(model), optimizer_tensors(opt)
+    kept = _storage_bytes(params) + _storage_bytes(states)
+    off = Offloader(model, opt, OffloadConfig(params=True, grads=True, optimizer=True))
+    hosts = []
+    for _ in range(2):
+        with CopySpy() as out:
+            moved = off.offload()
+        with CopySpy() as back:
+            off.onload()
+        assert out.nbytes == back.nbytes == kept
+        assert moved["offload/grads_bytes"] == _storage_bytes(grads)  # freed on the device all the same
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+        hosts.append(out.destinations())
+    assert hosts[0] == hosts[1]
 
 
 @pytest.mark.parametrize("role", ["params", "grads", "optimizer"])
@@ -110,7 +135,7 @@ def _megatron_ddp_run():
     moved = off.offload()
     freed = all(t.untyped_storage().nbytes() == 0 for t in tensors + buffers)
     off.onload()
-    _assert_restored(snap)
+    _assert_restored(snap, zeroed=grad_tensors(model) + [b.grad_data for b in model.buffers])
     views_intact = all(p.untyped_storage() is model.buffers[0].param_data.untyped_storage() and
                        p.main_grad.untyped_storage() is model.buffers[0].grad_data.untyped_storage() for p in params)
     with torch.no_grad():
@@ -141,7 +166,7 @@ def test_place_keeps_a_phase_s_parts_and_offloads_the_idle_ones():
             assert all((t.untyped_storage().nbytes() > 0) == (part in on_device) for t in tensors), (on_device, part)
             assert held[part] == (_storage_bytes(tensors) if part in on_device else 0)
     off.onload()
-    _assert_restored(snap)
+    _assert_restored(snap, zeroed=groups["grads"])
 
 
 @pytest.mark.parametrize("mode", ["fingerprint", "exact"])

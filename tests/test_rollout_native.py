@@ -6,6 +6,7 @@ everything; the tests below check its results against transformers and against a
 import pytest
 import torch
 
+from copy_spy import CopySpy
 from dist_helper import run_distributed
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [40, 41, 42, 43], [100, 7], [3, 3, 3, 3, 3, 3]]
@@ -80,9 +81,23 @@ def _engine_run(folder):
     res["asleep_bytes"] = sum(p.untyped_storage().nbytes() for p in engine.params.values())
     engine.wake_up()
     res["after_wake"] = engine.generate(PROMPTS, greedy)
-    engine.sleep()
-    engine.load_weights(hf.items())  # a weight update wakes a sleeping engine
+    with CopySpy() as first_sleep:
+        engine.sleep()
+    name, tensor = next(iter(hf.items()))
+    engine.load_weights([(name, tensor)])  # a weight update wakes a sleeping engine, without its old weights
+    try:
+        engine.generate(PROMPTS, greedy)
+        res["partial_error"] = None
+    except RuntimeError as e:
+        res["partial_error"] = str(e)
+    with CopySpy() as reload:
+        engine.load_weights(hf.items())
+    res["reload_bytes"], res["weight_bytes"] = reload.nbytes, sum(p.numel() * p.element_size()
+                                                                  for p in engine.params.values())
     res["after_reload"] = engine.generate(PROMPTS, greedy)
+    with CopySpy() as second_sleep:
+        engine.sleep()
+    res["same_host_buffers"] = first_sleep.destinations() == second_sleep.destinations()
     return res
 
 
@@ -176,6 +191,17 @@ def test_sleep_frees_weights_and_wake_restores(runs):
     assert torch.equal(res["after_wake"].responses, res["greedy_tp2"].responses)
     assert torch.equal(res["after_wake"].log_probs, res["greedy_tp2"].log_probs)
     assert torch.equal(res["after_reload"].responses, res["greedy_tp2"].responses)
+
+
+@pytest.mark.distributed
+def test_a_weight_sync_wakes_the_engine_without_copying_the_old_weights(runs):
+    """load_weights on a sleeping engine: no host-to-device copy of weights it overwrites (the bytes
+    copied are the streamed ones alone); generate refuses until every weight came in; later sleeps
+    reuse the host buffers of the first."""
+    for res in runs:
+        assert "weights not loaded" in res["partial_error"]
+        assert 0 < res["reload_bytes"] <= res["weight_bytes"]
+        assert res["same_host_buffers"]
 
 
 def test_top_k_top_p_filter_by_hand():

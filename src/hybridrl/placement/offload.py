@@ -4,7 +4,10 @@ The storage behind each tensor is copied to host memory and then shrunk to zero 
 device; `restore` regrows it in place and copies the bytes back. Tensors therefore keep their
 identity: the views megatron's DDP keeps into its contiguous param/grad buffers, the optimizer's
 references and tied weights all stay valid, and values come back bit-exactly. Storages shared by
-several tensors are moved once. On a CPU-only machine the same bookkeeping runs (host to host), which
+several tensors are moved once. Gradients are not copied at all: every update zeroes them before
+its first backward, so they are freed and come back zeroed (as megatron's own `offload_grad_buffers`
+does). The host buffers of each part are kept from one offload to the next (pinned memory is slow to
+allocate). On a CPU-only machine the same bookkeeping runs (host to host), which
 is what the tests exercise; it saves memory only when the originals live on an accelerator.
 This module does not decide *when* to offload (the workers do) and never touches torch.distributed.
 """
@@ -21,7 +24,8 @@ from hybridrl.config import OffloadConfig
 @dataclass
 class _Stashed:
     storage: torch.UntypedStorage
-    host: torch.Tensor  # uint8 copy of the whole storage
+    nbytes: int
+    host: torch.Tensor | None  # uint8 copy of the whole storage; None when its values are not kept
     device: torch.device
 
 
@@ -29,21 +33,40 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-class TensorStash:
-    """The storages of `tensors`, moved to host memory and freed on their device until `restore()`."""
+def _host_buffer(hosts: list, i: int, nbytes: int, pin: bool) -> torch.Tensor:
+    """hosts[i] when it has the size, else a new buffer put there."""
+    if i < len(hosts) and hosts[i].numel() == nbytes:
+        return hosts[i]
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if i < len(hosts):
+        hosts[i] = host
+    else:
+        hosts.append(host)
+    return host
 
-    def __init__(self, tensors: Iterable[torch.Tensor], skip: set | None = None):
+
+class TensorStash:
+    """The storages of `tensors`, freed on their device until `restore()`.
+
+    keep_values: their bytes wait in host memory (else they come back zeroed); `hosts`: host buffers
+    to copy into, by position, reused where the size fits and filled in where not (a caller that
+    stashes the same tensors again passes the same list)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], skip: set | None = None, keep_values: bool = True,
+                 hosts: list | None = None):
         self.items: list[_Stashed] = []
         seen = skip if skip is not None else set()
+        hosts = hosts if hosts is not None else []
         pin = torch.cuda.is_available()
         for t in tensors:
             storage = t.untyped_storage()
             if id(storage) in seen or storage.nbytes() == 0:
                 continue
             seen.add(id(storage))
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            host.copy_(_bytes_view(storage), non_blocking=pin)
-            self.items.append(_Stashed(storage, host, storage.device))
+            host = _host_buffer(hosts, len(self.items), storage.nbytes(), pin) if keep_values else None
+            if host is not None:
+                host.copy_(_bytes_view(storage), non_blocking=pin)
+            self.items.append(_Stashed(storage, storage.nbytes(), host, storage.device))
         if pin:
             torch.cuda.synchronize()  # the host copies must be complete before the memory is freed
         for item in self.items:
@@ -51,12 +74,17 @@ class TensorStash:
 
     @property
     def nbytes(self) -> int:
-        return sum(item.host.numel() for item in self.items)
+        return sum(item.nbytes for item in self.items)
 
-    def restore(self) -> None:
+    def restore(self, values: bool = True) -> None:
+        """Regrow every storage; with its bytes back, or zeroed when `values` is False (the caller is
+        about to overwrite them all) or when they were not kept."""
         for item in self.items:
-            item.storage.resize_(item.host.numel())
-            _bytes_view(item.storage).copy_(item.host, non_blocking=item.device.type != "cpu")
+            item.storage.resize_(item.nbytes)
+            if values and item.host is not None:
+                _bytes_view(item.storage).copy_(item.host, non_blocking=item.device.type != "cpu")
+            else:
+                _bytes_view(item.storage).zero_()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.items = []
@@ -129,13 +157,14 @@ class Offloader:
     """Offload / onload one role's model (chunks), grads and optimizer per an `OffloadConfig`.
 
     `place(on_device)` keeps the parts named there on the device and moves every other part its
-    config offloads to host memory. A storage reachable from two parts (fp32 parameters that an
+    config offloads to host memory; offloaded grads are freed and come back zeroed. A storage reachable from two parts (fp32 parameters that an
     optimizer also lists) belongs to the first of params, grads, optimizer and moves with it.
     """
 
     def __init__(self, model, optimizer=None, config: OffloadConfig = OffloadConfig()):
         self.model, self.optimizer, self.config = model, optimizer, config
         self._stashes: dict[str, TensorStash] = {}
+        self._hosts: dict[str, list] = {part: [] for part in PARTS}
 
     @property
     def offloaded(self) -> bool:
@@ -159,7 +188,8 @@ class Offloader:
             if part in on_device or not getattr(self.config, part) or part in self._stashes:
                 continue
             owned = {id(t.untyped_storage()) for p in PARTS[:i] for t in self._tensors(p)}
-            self._stashes[part] = TensorStash(self._tensors(part), skip=owned)
+            self._stashes[part] = TensorStash(self._tensors(part), skip=owned, keep_values=part != "grads",
+                                              hosts=self._hosts[part])
             moved[f"offload/{part}_bytes"] = self._stashes[part].nbytes
         return moved
 

@@ -129,6 +129,7 @@ class NativeEngine:
         on_gpu = torch.cuda.is_available()
         self.offload_weights_on_sleep = on_gpu if offload_weights_on_sleep is None else offload_weights_on_sleep
         self._stash: TensorStash | None = None
+        self._host_weights: list = []  # the host buffers of sleep, kept from one sleep to the next
 
     def shard_layout(self) -> tuple:
         """(tp, tp_rank, dtype) of the parameters: a trainer with the same layout can `load_shards`."""
@@ -138,9 +139,9 @@ class NativeEngine:
         """Copy this rank's slice of each HF tensor straight into its place in the parameters.
 
         After the whole bucket, each slice is read back from the parameters and digested:
-        {hf_name: Stored(region, digest)}. A sleeping engine is woken first.
+        {hf_name: Stored(region, digest)}. A sleeping engine is woken first, without its old weights.
         """
-        self.wake_up()
+        self._wake_to_overwrite()
         placed = []
         for name, tensor in weights:
             if name not in self._slots:
@@ -152,7 +153,7 @@ class NativeEngine:
     def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
         """Megatron tensors already at this engine's layout (`shard_layout`), by global name: copied
         whole into the parameters, then read back per HF tensor like `load_weights`."""
-        self.wake_up()
+        self._wake_to_overwrite()
         placed = []
         for global_name, shard in shards:
             self._copy_shard(global_name, shard)
@@ -190,12 +191,20 @@ class NativeEngine:
     def sleep(self) -> None:
         """Drop nothing that is needed; on GPU (or when asked) move the weights to host memory."""
         if self.offload_weights_on_sleep and self._stash is None:
-            self._stash = TensorStash(self.params.values())
+            self._stash = TensorStash(self.params.values(), hosts=self._host_weights)
 
     def wake_up(self) -> None:
         if self._stash is not None:
             self._stash.restore()
             self._stash = None
+
+    def _wake_to_overwrite(self) -> None:
+        """Wake for a weight sync: the parameters come back zeroed, not copied from the host, since the
+        sync overwrites them; until it has loaded every weight, generate refuses to run."""
+        if self._stash is not None:
+            self._stash.restore(values=False)
+            self._stash = None
+            self._loaded = set()
 
     # ---- generation ----------------------------------------------------------------------------
 
