@@ -98,13 +98,17 @@ class CpuOptimizer(LRSchedule):
         self.step_count = 0
 
     def grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        """The global grad norm: every parameter once over TP x PP; MoE experts (megatron marks them
+        `allreduce=False`) differ between expert-parallel ranks, so theirs is summed over EP as well."""
+        sq = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)  # [dense, experts]
         for p in self.params:
             if p.grad is not None and _counts_once(p, self.groups):
-                sq += p.grad.detach().double().pow(2).sum()
+                sq[int(not getattr(p, "allreduce", True))] += p.grad.detach().double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size(self.groups.mp_group) > 1:
             dist.all_reduce(sq, group=self.groups.mp_group)
-        return math.sqrt(sq.item())
+        if self.groups.ep > 1:
+            dist.all_reduce(sq[1:], group=self.groups.ep_group)
+        return math.sqrt(sq.sum().item())
 
     def step(self):
         """Returns (updated, grad_norm, lr); not updated when the norm is not finite."""
