@@ -449,3 +449,33 @@ def test_join_requests_generates_each_contribution_once():
             assert (lo, hi) == ((0, 2) if rank == 0 else (2, 4))
         else:  # a rank that receives the result by broadcast owns an empty slice
             assert lo == hi
+
+
+def _handoff_cuda_calls(measure_memory: bool):
+    """The order of the CUDA calls of a handoff (torch.cuda stood in by recorders; an engine that
+    takes buckets and stores nothing): [("sync" | "reset" | "load"), ...]."""
+    from hybridrl.models.gpt import GPTSpec, build_gpt
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.placement import reshard
+
+    groups = init_model_parallel(1, 1)
+    spec = GPTSpec(num_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+                   intermediate_size=32, vocab_size=50)
+    model, calls = build_gpt(spec, 1, 1, 0), []
+    engine = types.SimpleNamespace(load_weights=lambda bucket, verify: calls.append("load") or {})
+    record = lambda name: (lambda *args, **kwargs: calls.append(name))
+    cuda = torch.cuda
+    cuda.is_available, cuda.synchronize, cuda.reset_peak_memory_stats = (lambda: True), record("sync"), record("reset")
+    cuda.memory_allocated = cuda.max_memory_allocated = lambda *args: 0
+    reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify="off", measure_memory=measure_memory)
+    return calls
+
+
+@pytest.mark.distributed
+def test_handoff_time_is_synchronised_and_stage_peaks_survive_it():
+    """The trainer's update_weights stage keeps its allocator peak (the handoff resets it only when
+    asked to meter memory), and the handoff's time ends after the device finished its copies."""
+    plain, metered = (run_distributed(_handoff_cuda_calls, 1, m)[0] for m in (False, True))
+    assert "reset" not in plain and "load" in plain
+    assert plain[0] == "sync" and plain[-1] == "sync"
+    assert "reset" in metered

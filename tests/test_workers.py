@@ -284,3 +284,51 @@ def test_token_budget_matches_fixed_at_tp_pp_dp(hf_folder, tp, pp, agg_mode):
     outs = run_distributed(_split_run, 2, hf_folder, tp, pp, agg_mode)
     for out in outs:
         _check_splits(out)
+
+
+_SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+def _loss_syncs_run(folder):
+    """Device-to-host reads inside the actor's and critic's per-micro-batch losses, and the metrics."""
+    from torch.overrides import TorchFunctionMode
+
+    from hybridrl.config.batching import MicroBatching
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    class Reads(TorchFunctionMode):
+        def __init__(self, counts):
+            super().__init__()
+            self.counts = counts
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in _SYNCS:
+                self.counts.append(name)
+            return func(*args, **(kwargs or {}))
+
+    groups = init_model_parallel(1, 1)
+    actor, critic = _worker_factories(folder, groups, "token-mean")
+    a, c, batch, out = actor(), critic(), _batch(97), {}
+    for name, worker, update in (("actor", a, a.update_policy), ("critic", c, c.update_critic)):
+        counts, calls, loss = [], [], worker._loss
+
+        def counted(*args, loss=loss, counts=counts, calls=calls):
+            calls.append(1)
+            with Reads(counts):
+                return loss(*args)
+
+        worker._loss = counted
+        metrics = update(batch, B, MicroBatching(2))
+        out[name] = dict(reads=counts, micro_batches=len(calls), metrics=metrics)
+    return out
+
+
+def test_losses_read_nothing_back_per_micro_batch(hf_folder):
+    """The per-micro-batch losses leave their metrics on the device (about eight `.item()` each
+    before); update.finish_step reads them once per step."""
+    out = run_distributed(_loss_syncs_run, 1, hf_folder)[0]
+    for role, key in (("actor", "actor/pg_loss"), ("critic", "critic/vf_loss")):
+        assert out[role]["micro_batches"] == B // 2
+        assert out[role]["reads"] == [], (role, out[role]["reads"])
+        assert isinstance(out[role]["metrics"][key], float)

@@ -157,8 +157,9 @@ class Offloader:
     """Offload / onload one role's model (chunks), grads and optimizer per an `OffloadConfig`.
 
     `place(on_device)` keeps the parts named there on the device and moves every other part its
-    config offloads to host memory; offloaded grads are freed and come back zeroed. A storage reachable from two parts (fp32 parameters that an
-    optimizer also lists) belongs to the first of params, grads, optimizer and moves with it.
+    config offloads to host memory (grads are freed and come back zeroed). A storage reachable from
+    two parts (fp32 parameters that an optimizer also lists) belongs to the first of params, grads,
+    optimizer and moves with it.
     """
 
     def __init__(self, model, optimizer=None, config: OffloadConfig = OffloadConfig()):

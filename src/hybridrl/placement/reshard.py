@@ -286,7 +286,7 @@ class HandoffReport:
     peak_extra_bytes: int | None
     """Most bytes of new tensor storage alive at once during the handoff (LiveTensorMeter), when measured."""
     peak_cuda_extra_bytes: int
-    """Same from the CUDA allocator's peak statistics; 0 without CUDA."""
+    """Same from the CUDA allocator's peak statistics, when measured (measure_memory on CUDA); else 0."""
     seconds: float
     verify: str
     """rollout.verify_weights: fingerprint, exact or off."""
@@ -390,14 +390,17 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
     compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
     Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
-    peak of new allocations (`LiveTensorMeter`, slow: for tests and benchmarks); with CUDA the
-    allocator's peak statistics are always taken.
+    peak of new allocations (`LiveTensorMeter`, slow: for tests and benchmarks) and, with CUDA, takes
+    the allocator's peak statistics, which it resets: a caller's peak of its enclosing stage (the
+    trainer's `update_weights`) would lose what came before. The time spans the device's work (synchronised).
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}; use one of {VERIFY_MODES}")
     bucket_bytes = int(bucket_mb * 2**20)
     cuda = torch.cuda.is_available()
     if cuda:
+        torch.cuda.synchronize()  # work queued before is not the handoff's
+    if cuda and measure_memory:
         torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated()
     direct = takes_shards(engine, model, groups)
@@ -405,9 +408,11 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     start = time.perf_counter()
     with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
         n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     dtype = next(iter(weight_state(model).values())).dtype
     largest = max(_full_bytes(g, spec, groups.tp, dtype) for g in hc.hf_to_mcore_name_map(spec))
-    cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if cuda else 0
+    cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if cuda and measure_memory else 0
     return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest,
                          meter.peak if measure_memory else None, cuda_peak, seconds, verify, direct)

@@ -181,7 +181,7 @@ class PPOTrainer:
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)] if source else []
         seeds = prompt_seeds(sampling.seed, step, prompts.index) if source else []
         self.hybrid.enter("gen")  # hybrid engine: the idle training state leaves the device
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and self.cfg.rollout.name == "vllm":
             torch.cuda.empty_cache()  # vLLM's sleep-mode pool allocates outside torch's cache
         with self.timer("generate_sequences"):  # the engine's window, once the idle state is offloaded
             self.rollout.wake_up()

@@ -116,18 +116,19 @@ class ActorWorker(LogProbWorker):
         pg_loss, stats = self._policy_loss(mb, log_probs, old_log_probs)
         ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, self.loss_scale_factor)
         loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff != 0 else pg_loss
-        metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()}
+        metrics = {"actor/pg_loss": pg_loss, "actor/entropy": ent}
         if cfg.use_kl_loss:
             kl = algos.agg_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_loss_type), mask,
                                 cfg.loss_agg_mode, self.loss_scale_factor)
             loss = loss + cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.item()
-        # summed over micro-batches and DP later: losses by their normaliser, token means by tokens
-        metrics = {k: v * share.loss for k, v in metrics.items()}
-        metrics.update({f"actor/{k}": float(v) * share.tokens for k, v in stats.items()})
+            metrics["actor/kl_loss"] = kl
+        # summed over micro-batches and DP later (device tensors, read once per step): losses by
+        # their normaliser, token means by tokens
+        metrics = {k: v.detach().double() * share.loss for k, v in metrics.items()}
+        metrics.update({f"actor/{k}": v.detach().double() * share.tokens for k, v in stats.items()})
         # The schedule divides by n_micro and DDP averages over DP: undo both for a global mean.
         scaled = loss * share.loss * n_micro * self.engine.groups.dp
-        out = {**metrics, "finite": torch.isfinite(loss).item()}
+        out = {**metrics, "finite": torch.isfinite(loss.detach()).double()}
         if own_old:
             out["rows"] = {"log_probs": old_log_probs, "entropy": entropy.detach()}
         return scaled, out

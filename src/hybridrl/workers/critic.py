@@ -62,10 +62,12 @@ class CriticWorker:
         vf_loss, clipfrac = algos.value_loss(values, old, returns, mask, self.cfg.cliprange_value,
                                              self.cfg.loss_agg_mode, self.loss_scale_factor)
         # summed over micro-batches and DP later: the loss by its normaliser, token means by tokens
-        metrics = {"critic/vf_loss": vf_loss.item() * share.loss, "critic/vf_clipfrac": float(clipfrac) * share.tokens,
-                   "critic/vpred_mean": algos.masked_mean(values, mask).item() * share.tokens}
+        # device tensors, read once per step (update.finish_step)
+        metrics = {"critic/vf_loss": vf_loss.detach().double() * share.loss,
+                   "critic/vf_clipfrac": clipfrac.detach().double() * share.tokens,
+                   "critic/vpred_mean": algos.masked_mean(values.detach(), mask).double() * share.tokens}
         scaled = vf_loss * share.loss * n_micro * self.engine.groups.dp
-        out = {**metrics, "finite": torch.isfinite(vf_loss).item()}
+        out = {**metrics, "finite": torch.isfinite(vf_loss.detach()).double()}
         if rows is not None:
             out["rows"] = rows
         return scaled, out

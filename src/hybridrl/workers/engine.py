@@ -90,11 +90,19 @@ def _to_device(obj, device):
     return obj
 
 
-def dp_sum(values: Dict[str, float], groups: ParallelGroups) -> Dict[str, float]:
-    """Sum a dict of floats over the data-parallel group (same keys on every rank)."""
-    if groups.dp == 1 or not values:
-        return dict(values)
+def dp_sum(values: Dict[str, object], groups: ParallelGroups) -> Dict[str, float]:
+    """Sum a dict of floats and 0-d tensors over the data-parallel group (same keys on every rank): one
+    all-reduce and one device-to-host read for all of them, so a step's metrics cost one sync."""
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=groups.device)
-    dist.all_reduce(t, group=groups.dp_group)
-    return dict(zip(keys, t.tolist()))
+    tensors = [k for k in keys if isinstance(values[k], torch.Tensor)]
+    floats = [k for k in keys if k not in tensors]
+    if groups.dp == 1 and not tensors:
+        return {k: float(values[k]) for k in keys}
+    device = groups.device if groups.dp > 1 else values[tensors[0]].device
+    parts = [torch.tensor([float(values[k]) for k in floats], dtype=torch.float64).to(device, non_blocking=True)]
+    if tensors:
+        parts.append(torch.stack([values[k].detach().to(device, torch.float64) for k in tensors]))
+    t = torch.cat(parts)
+    if groups.dp > 1:
+        dist.all_reduce(t, group=groups.dp_group)
+    return dict(zip(floats + tensors, t.tolist()))

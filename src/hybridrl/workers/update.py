@@ -74,15 +74,14 @@ def check_one_step(what: str, fix: str, ppo_epochs: int, rows: int, mini_batch_r
 def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True,
                 advance: bool = True):
     """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss);
-    `advance`: this step is a whole training step, so the LR schedule moves on."""
+    `advance`: this step is a whole training step, so the LR schedule moves on. Metrics may be device
+    tensors: they are summed where they are and read once (`dp_sum`), not once per micro-batch."""
     summed = {}
     for s in stats:
         for k, v in s.items():
-            summed[k] = summed.get(k, 0.0) + float(v)
-    n_finite = summed.pop("finite")
-    metrics = dp_sum(summed, engine.groups)
-    finite = dp_sum({"f": n_finite, "n": float(len(stats))}, engine.groups)
-    if finite["f"] < finite["n"]:
+            summed[k] = summed[k] + v if k in summed else v
+    metrics = dp_sum({**summed, "micro_batches": float(len(stats))}, engine.groups)
+    if metrics.pop("finite") < metrics.pop("micro_batches"):
         bad = [k for k, v in metrics.items() if v != v or abs(v) == float("inf")]
         raise FloatingPointError(f"{role} loss is not finite ({', '.join(bad) or 'loss'})")
     if not apply:
