@@ -191,3 +191,12 @@ def test_cli_bad_data_file_is_one_clean_message(tmp_path):
     assert proc.returncode == 2
     assert "is not a parquet file" in proc.stderr and str(bad) in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_yaml_boolean_words_stay_words_for_string_keys(tmp_path):
+    """YAML 1.1 reads `off` as false: a string key that takes "off" gets the word back, in a file and an override."""
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  verify_weights: off\n")
+    cfg = load_config(str(path), ["actor.router_replay=off"])
+    assert cfg.rollout.verify_weights == "off" and cfg.actor.router_replay == "off"
+    assert load_config("", ["trainer.val_before_train=off"]).trainer.val_before_train is False  # bool keys stay bools

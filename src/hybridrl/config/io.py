@@ -92,6 +92,17 @@ def _check_keys(node, schema_keys, prefix=""):
             _check_keys(value, schema_keys, full + ".")
 
 
+def _words_back(node, prefix=""):
+    """YAML 1.1 reads off/on/no/yes as booleans; where the schema wants a string (verify_weights: off,
+    router_replay: off) the word the user meant is put back: "off" for false, "on" for true."""
+    for key in list(node):
+        full, value = prefix + str(key), node[key]
+        if OmegaConf.is_dict(value):
+            _words_back(value, full + ".")
+        elif isinstance(value, bool) and field_type(full) in ("str", "<class 'str'>"):
+            node[key] = "on" if value else "off"
+
+
 def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
     """YAML file (optional) + `key=value` overrides → validated frozen Config."""
     schema = OmegaConf.structured(Config)
@@ -110,6 +121,7 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
         raise ConfigError(f"could not parse overrides: {err}") from None
     for layer in layers:
         _check_keys(layer, keys)
+        _words_back(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)
         return OmegaConf.to_object(merged)

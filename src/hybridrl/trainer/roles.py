@@ -73,7 +73,8 @@ INIT_RECORD = "hybridrl_init.json"
 
 def _family_fields(m) -> dict:
     """Config fields only some families have: Qwen3's explicit head_dim, the experts of the MoE ones."""
-    out = {"head_dim": m.hidden_size // m.num_attention_heads} if m.architecture.startswith("qwen3") else {}
+    qwen3 = m.architecture.startswith("qwen3")
+    out = {"head_dim": m.head_dim or m.hidden_size // m.num_attention_heads} if qwen3 else {}
     if m.architecture == "qwen3_moe":
         out.update(num_experts=m.num_experts, num_experts_per_tok=m.moe_topk, norm_topk_prob=m.norm_topk_prob,
                    moe_intermediate_size=m.moe_intermediate_size)
@@ -138,7 +139,7 @@ def build_rollout(cfg: Config, spec: GPTSpec, groups: ParallelGroups, tokenizer)
 
     return NativeEngine(spec, cfg.rollout.tensor_model_parallel_size, groups, cfg.model.params_dtype,
                         tokenizer.pad_token_id, tokenizer.eos_token_id, max_num_seqs=cfg.rollout.max_num_seqs,
-                        enforce_eager=cfg.rollout.enforce_eager)
+                        enforce_eager=cfg.rollout.enforce_eager, record_routes=cfg.actor.router_replay == "rollout")
 
 
 @contextlib.contextmanager
