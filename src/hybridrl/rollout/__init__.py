@@ -1,9 +1,10 @@
-"""Rollout engines: the protocol (`base`), megatron KV-cache generation (`native`), vLLM (`vllm`).
+"""Rollout engines: the protocol (`base`), megatron KV-cache generation (`native`), vLLM (`vllm`), and
+`generate_cli` (scripts/generate.py: the native engine on an HF folder, prompts from JSONL).
 
 Engines are imported lazily so that importing the protocol never pulls in megatron or vLLM.
 
-Rollout stands on placement (to receive weights), models, parallel and config; it must not import
-data, workers, the planner or the trainer.
+Rollout stands on placement (to receive weights), models, parallel, config, tokenizer and log; it must
+not import data, workers, the planner or the trainer.
 """
 from __future__ import annotations
 
