@@ -28,3 +28,26 @@ def test_ep2_first_step_equals_ep1(tmp_path, estimator):
         a, b = one[key][1], two[key][1]
         tol = 1e-6 if key == "rollout/logprob_diff_mean" else 1e-5 * max(1.0, abs(a))
         assert abs(a - b) <= tol, (key, a, b)
+
+
+def _train_with_shifted_routes(config_path, overrides):
+    """The trainer, with the engine reporting each token's experts shifted by one: if the actor's forwards
+    use the reported routes, its log-probs stop agreeing with the engine's."""
+    from hybridrl.rollout.native import NativeEngine
+
+    generate = NativeEngine.generate
+
+    def shifted(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        out.routed_experts = (out.routed_experts + 1) % self.spec.num_experts
+        return out
+
+    NativeEngine.generate = shifted
+    return _train(config_path, overrides)
+
+
+@pytest.mark.slow
+def test_the_actor_uses_the_engines_routes(tmp_path):
+    run_distributed(_train_with_shifted_routes, 1, TINY, _overrides(tmp_path, MOE + [
+        "trainer.total_training_steps=1", "algorithm.adv_estimator=grpo"]))
+    assert read_scalars(tmp_path)["rollout/logprob_diff_mean"][1] > 1e-3  # against ~1e-7 with the true routes
