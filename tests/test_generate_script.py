@@ -76,7 +76,8 @@ def _hf_generate(folder, prompts, eos=None):
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_equals_transformers(folders, tmp_path, name):
     prompts_file = _write_prompts(tmp_path / "prompts.jsonl", [{"prompt_token_ids": p} for p in PROMPTS])
-    expected = [{"prompt_token_ids": p, "output_token_ids": o} for p, o in zip(PROMPTS, _hf_generate(folders[name], PROMPTS))]
+    hf = _hf_generate(folders[name], PROMPTS)
+    expected = [{"prompt_token_ids": p, "output_token_ids": o} for p, o in zip(PROMPTS, hf)]
     layouts = [(1, 1), (2, 2)] + ([(2, 1)] if name == "mixtral" else [])  # (processes, rollout TP)
     for procs, tp in layouts:
         out = str(tmp_path / f"out_{procs}_{tp}.jsonl")
@@ -137,6 +138,7 @@ def _error_cases(tmp, folders):
         (["--model", q3, "--prompts-file", good, "--output", tmp / "no_dir" / "o.jsonl"],
          ["no_dir does not exist", "create it"]),
         (["--model", q3, "--prompts-file", good, "--temperature", "-1"], ["--temperature -1.0", "temperature >= 0"]),
+        (["--model", q3, "--prompts-file", good, "--tensor-parallel-size", "0"], ["--tensor-parallel-size 0: pass 1"]),
     ]
 
 

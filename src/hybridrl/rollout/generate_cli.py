@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_paths(args) -> None:
-    """UsageError naming the fix for a missing model folder, prompts file or output folder."""
+    """UsageError naming the fix for a missing model folder, prompts file or output folder, or a size < 1."""
     if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model}: no such folder; {MODEL_FIX}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -53,8 +53,10 @@ def check_paths(args) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--output {args.output}: folder {out_dir} does not exist; create it or pass another path")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: pass 1 or more")
+    sizes = (("--max-new-tokens", args.max_new_tokens), ("--tensor-parallel-size", args.tensor_parallel_size))
+    for flag, value in sizes:
+        if value < 1:
+            raise UsageError(f"{flag} {value}: pass 1 or more")
 
 
 def model_spec(args):
@@ -68,7 +70,8 @@ def model_spec(args):
     try:
         check_parallel_layout(spec, args.tensor_parallel_size, 1)
     except ValueError as err:
-        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size} does not fit {args.model}: {err}") from None
+        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size} does not fit {args.model}: "
+                         f"{err}") from None
     return spec
 
 
@@ -162,7 +165,7 @@ def run_engine(args, spec, tokenizer, prompts, sampling) -> list[dict] | None:
     from hybridrl.rollout.native import NativeEngine
 
     tp, world = args.tensor_parallel_size, launch_env().world_size
-    if tp < 1 or world % tp:
+    if world % tp:
         raise UsageError(f"--tensor-parallel-size {tp} does not divide the {world} process(es); launch "
                          f"torchrun --nproc_per_node with a multiple of {tp}, or pass a divisor of {world}")
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "Apex is not installed" etc.
