@@ -324,6 +324,7 @@ def _loss_syncs_run(folder):
     return out
 
 
+@pytest.mark.distributed
 def test_losses_read_nothing_back_per_micro_batch(hf_folder):
     """The per-micro-batch losses leave their metrics on the device (about eight `.item()` each
     before); update.finish_step reads them once per step."""

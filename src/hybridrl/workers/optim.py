@@ -194,6 +194,7 @@ class MegatronOptimizer(LRSchedule):
     def _torch_optimizers(self) -> list:
         return [m.optimizer for m in self.optimizer.chained_optimizers if getattr(m, "optimizer", None) is not None]
 
+    @torch.no_grad()
     def step(self):
         """megatron's ChainedOptimizer.step plus the CPU path's check: a non-finite grad norm stops the
         step before anything is applied (without a loss scaler megatron sees no overflow, and a NaN
