@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 NPROC ?= 1
 
-.PHONY: venv demo demo-tools test test-fast clean
+.PHONY: venv demo demo-tools demo-moe test test-fast clean
 
 $(STAMP): requirements.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: venv
 demo-tools: venv
 	$(PY) scripts/train_sft.py --config configs/tiny_cpu_tools.yaml $(ARGS)
 	$(PY) scripts/train_ppo.py --config configs/tiny_cpu_tools.yaml model.path=outputs/tiny_cpu_tools/sft_hf $(ARGS)
+
+# a tiny Qwen3-MoE with its 8 experts split over two processes (expert parallel 2) and routing replay
+demo-moe: venv
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=2 scripts/train_sft.py --config configs/tiny_cpu_moe.yaml $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=2 scripts/train_ppo.py --config configs/tiny_cpu_moe.yaml model.path=outputs/tiny_cpu_moe/sft_hf $(ARGS)
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q

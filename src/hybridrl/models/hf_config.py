@@ -145,9 +145,8 @@ def spec_from_hf_config(config) -> GPTSpec:
 
 
 def check_parallel_layout(spec: GPTSpec, tp: int, pp: int, ep: int = 1) -> None:
-    """Fail early, with the fix, on a TP/PP/EP layout megatron would reject deep inside its init."""
-    if ep > 1 and not spec.is_moe:
-        raise ValueError(f"expert_model_parallel_size={ep} needs an MoE model; this one is dense: set it to 1")
+    """Fail early, with the fix, on a TP/PP/EP layout megatron would reject deep inside its init (a dense
+    model ignores EP: a dense reward model or critic may serve an MoE actor's expert-parallel layout)."""
     if spec.is_moe and spec.num_experts % ep:
         raise ValueError(f"num_experts={spec.num_experts} is not divisible by expert_model_parallel_size={ep}")
     if spec.is_moe and spec.moe_intermediate_size % tp:

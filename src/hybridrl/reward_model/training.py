@@ -190,6 +190,9 @@ def train_reward_model(cfg: Config) -> int:
     if not rm.path:
         raise ConfigError("reward_model.path is empty; set it to the folder the reward model is written to")
     _, tokenizer, layout, groups, train_loader, val_loader = setup_run(cfg)
+    if layout.ep > 1:
+        raise ConfigError("reward-model training shards pairs of different lengths over the ranks, but expert-"
+                          "parallel ranks must forward in lockstep; train it with parallel.expert_model_parallel_size=1")
     if tc.batch_size % layout.dp or val_loader is None:
         raise ConfigError(f"reward_model.train.batch_size={tc.batch_size} must be a multiple of dp={layout.dp}, and "
                           "data.val_files must be set (held-out pairs come from them)")

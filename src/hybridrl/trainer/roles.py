@@ -216,6 +216,10 @@ def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
                           "--config <this config>, or point it at an HF *ForSequenceClassification folder")
     model, spec, pad_id = reward_model_from_hf(rm.path, groups, cfg.model.params_dtype)
     reencoder = build_reencoder(cfg, pad_id)
+    if spec.is_moe and groups.ep > 1 and reencoder is not None:
+        raise ConfigError("an MoE reward model with its own tokenizer scores sequences of a different length on "
+                          "each rank, but expert-parallel ranks must forward in lockstep; use a reward model that "
+                          "shares the policy's tokenizer, a dense one, or parallel.expert_model_parallel_size=1")
     rm_tokenizer = reencoder.tokenizer if reencoder is not None else tokenizer
     check_vocab(rm_tokenizer, spec.vocab_size)
     worker = RewardModelWorker(ModelEngine(_frozen(model), groups), pad_id, rm.micro_batch_size_per_gpu, reencoder)
