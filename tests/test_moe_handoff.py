@@ -55,3 +55,33 @@ def test_vllm_fused_expert_slices(tmp_path, family, tp):
         for name in experts:
             view, (dim, start, stop) = stored_slice(name, params, spec, tp, rank)
             assert torch.equal(view, hf[name].narrow(dim, start, stop - start)), (name, rank)
+
+
+def _ep2_into_engine(folder):
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.hf_checkpoint import SafetensorsReader, model_from_hf
+    from hybridrl.placement import reshard
+    from hybridrl.rollout.native import NativeEngine
+    from models_helper import reinit_parallel
+
+    groups = reinit_parallel(1, 1, 2)  # the trainer holds half of the experts on each rank
+    model, spec = model_from_hf(folder, groups)
+    out = {}
+    for rollout_tp in (1, 2):
+        engine = NativeEngine(spec, rollout_tp)
+        report = reshard.update_engine_weights(engine, model, spec, groups, bucket_mb=0.05)
+        reader, g = SafetensorsReader(folder), engine.groups
+        expected = {name: hc.read_shard(name, reader, spec, g.tp, g.tp_rank) for _, name in hc.stage_names(spec, 1, 0)}
+        out[rollout_tp] = (report.verified, report.direct, report.num_buckets,
+                           all(torch.equal(engine.params[n], t) for n, t in expected.items()))
+    return out
+
+
+@pytest.mark.distributed
+def test_ep2_trainer_streams_every_expert_into_the_engine(tmp_path):
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+
+    folder = random_hf_model_folder(str(tmp_path / "m"), "qwen3_moe", num_experts=4)
+    for rank in run_distributed(_ep2_into_engine, 2, folder):
+        for rollout_tp, (verified, direct, buckets, equal) in rank.items():
+            assert verified and not direct and buckets > 1 and equal, (rollout_tp, verified, direct, buckets, equal)
