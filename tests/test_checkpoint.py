@@ -289,3 +289,38 @@ def test_save_into_a_read_only_folder(saved_run, tmp_path):
     finally:
         os.chmod(tmp_path / "ckpt", 0o755)
     assert f"Permission denied: {tmp_path / 'ckpt' / 'global_step_3.tmp'}; make it writable" in proc.stderr
+
+
+
+def _save_failing_on_one_rank(root, where):
+    """Rank 0 cannot create the folder (`root` is a file), or rank 1 cannot write its RNG file (a full disk):
+    what each rank's CheckpointWriter.save raises."""
+    import errno
+
+    import torch.distributed as dist
+
+    from hybridrl.checkpoint import CheckpointWriter
+    from hybridrl.checkpoint import writer
+
+    if where == "rng" and dist.get_rank() == 1:
+        def full(obj, path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        writer._save_file = full
+    try:
+        CheckpointWriter(CheckpointManager(root)).save(3, {}, {"data": {}})
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+@pytest.mark.distributed
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
+    """Both ranks raise the same error (rather than one waiting for the other in a collective)."""
+    from dist_helper import run_distributed
+
+    (tmp_path / "a_file").write_text("not a folder")
+    for root, where, cause in ((tmp_path / "a_file", "prepare", f"File exists: {tmp_path / 'a_file'}; a file stands where"),
+                               (tmp_path / "ckpt", "rng", f"No space left on device: {tmp_path / 'ckpt' / 'global_step_3.tmp'}; free space")):
+        errors = run_distributed(_save_failing_on_one_rank, 2, str(root), where)
+        assert errors[0] == errors[1] and cause in errors[0] and "the last complete checkpoint is none yet" in errors[0]
+    assert CheckpointManager(str(tmp_path / "ckpt")).complete_steps() == []

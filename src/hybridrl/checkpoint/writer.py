@@ -95,6 +95,7 @@ class CheckpointWriter:
             os.makedirs(os.path.join(tmp, sub))
 
     def _publish(self, step: int, meta: dict) -> None:
+        dist.barrier()  # every rank's writes are done
         self._agree(step, lambda: self.folders.publish(step, meta) if dist.get_rank() == 0 else None)
 
     def _agree(self, step: int, write) -> None:
