@@ -1,7 +1,8 @@
 """Qwen3 (dense) and the MoE families (Qwen3-MoE, Mixtral) against transformers' own classes.
 
 Tiny random models saved by transformers (GQA, odd vocab, head_dim != hidden/heads, 4 experts top 2):
-logits within 1e-4 (fp32) at TP 1/2 (dense), PP 1/2 and EP 1/2 (MoE; TP 1, see parallel notes), the
+logits within 1e-4 (fp32) at TP 1/2, PP 1/2 and EP 1/2 (MoE at TP 2: inference; megatron trains MoE at TP > 1
+only with sequence parallelism, which this build does not run), the
 export back to HF loads in transformers with the same logits, and what cannot be reproduced is refused.
 """
 import os
@@ -95,9 +96,10 @@ def _layouts_run(folders, layouts):
     for tp, pp, ep in layouts:
         groups = reinit_parallel(tp, pp, ep)
         for name, folder in folders.items():
-            if (tp > 1 and name != "qwen3") or (ep > 1 and name not in MOE_CASES):
+            if ep > 1 and name not in MOE_CASES:
                 continue
             model, spec = model_from_hf(folder, groups)
+            model.eval()  # megatron refuses MoE *training* at TP > 1 without sequence parallelism, not inference
             logits = mcore_logits(model, spec, groups, ragged_batch(spec.vocab_size))
             if logits is not None:
                 out.setdefault((tp, pp, ep, name), logits)
@@ -110,7 +112,7 @@ def test_logits_match_transformers_at_tp_pp_ep(folders, references):
     merged = {}
     for r in run_distributed(_layouts_run, 2, folders, layouts):
         merged.update(r)
-    expected = {(1, 1, 1, n) for n in CASES} | {(2, 1, 1, "qwen3")} | {(1, 2, 1, n) for n in CASES} | \
+    expected = {(1, 1, 1, n) for n in CASES} | {(2, 1, 1, n) for n in CASES} | {(1, 2, 1, n) for n in CASES} | \
         {(1, 1, 2, n) for n in MOE_CASES}
     assert set(merged) == expected
     for (tp, pp, ep, name), logits in merged.items():
