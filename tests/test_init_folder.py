@@ -31,3 +31,28 @@ def test_init_folder_is_rebuilt_when_seed_or_size_changes(tmp_path):
     assert (w1 == w1b).all()  # same config: the folder is reused as written
     assert not (w1 == w2).all()  # another seed: another init, not the stale folder
     assert (h1, h2, h3) == (64, 64, 32)  # another size: the folder follows the config
+
+
+def _qwen3_init(root):
+    """The init folder of a Qwen3-MoE config with its own head width, and the planner's reading of it."""
+    import dataclasses
+
+    from hybridrl.config.io import load_config
+    from hybridrl.planner.memory import arch_from_model_config
+    from hybridrl.trainer.roles import init_model_folder
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu_moe.yaml")
+    cfg = load_config(config, [f"trainer.default_local_dir={root}", "model.head_dim=24", "model.vocab_size=64"])
+    folder = init_model_folder(cfg, 64)
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    from_folder = arch_from_model_config(dataclasses.replace(cfg.model, path=folder))
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers 5 writes the latter
+    return hf["head_dim"], experts, from_folder == arch_from_model_config(cfg.model)
+
+
+def test_qwen3_head_dim_reaches_the_init_folder(tmp_path):
+    """model.head_dim (hidden 64 / 4 heads would be 16) is the folder's, and the planner plans the same model
+    from the fields as from the folder."""
+    (got,) = run_distributed(_qwen3_init, 1, str(tmp_path))
+    assert got == (24, 8, True)

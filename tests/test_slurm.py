@@ -8,7 +8,10 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["slurm/ppo.sh", "slurm/ppo_qwen7b.sh"]
+SIZE_SCRIPTS = {"slurm/ppo_qwen7b.sh": "configs/qwen2_7b.yaml", "slurm/ppo_qwen3_8b.sh": "configs/qwen3_8b.yaml",
+                "slurm/ppo_qwen3_30b_a3b.sh": "configs/qwen3_30b_a3b.yaml"}
+"""Each size's template -> the config it launches."""
+SCRIPTS = ["slurm/ppo.sh", *SIZE_SCRIPTS]
 
 FAKE_SRUN = """#!/bin/sh
 printf '%s\\0' "$@" > "$FAKE_LOG/srun.argv"
@@ -79,16 +82,21 @@ def test_gpus_per_node_and_port_knobs(tmp_path):
     assert "--nproc_per_node=4" in line and "--rdzv_endpoint=gpu-node-07:31000" in line
 
 
-def test_qwen7b_script_uses_its_config_and_node_count(tmp_path):
-    srun, _, _ = _run(tmp_path, "slurm/ppo_qwen7b.sh", ["critic.optim.lr=2e-5"])
+@pytest.mark.parametrize("script", sorted(SIZE_SCRIPTS))
+def test_size_script_uses_its_config_and_node_count(tmp_path, script):
+    srun, _, _ = _run(tmp_path, script, ["critic.optim.lr=2e-5"])
     line = _torchrun(srun)
-    assert line[line.index("--config") + 1] == "configs/qwen2_7b.yaml"
-    assert line[-1] == "critic.optim.lr=2e-5" and "--nnodes=2" in line
-    with open(os.path.join(ROOT, "slurm", "ppo_qwen7b.sh")) as f:
+    assert line[line.index("--config") + 1] == SIZE_SCRIPTS[script]
+    assert line[-1] == "critic.optim.lr=2e-5" and "--nnodes=2" in line  # SLURM_NNODES of the fake job
+    with open(os.path.join(ROOT, script)) as f:
         sbatch_nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", f.read(), re.M).group(1))
-    with open(os.path.join(ROOT, "configs", "qwen2_7b.yaml")) as f:
+    with open(os.path.join(ROOT, SIZE_SCRIPTS[script])) as f:
         config_nodes = int(re.search(r"^# launch: nodes=(\d+)$", f.read(), re.M).group(1))
     assert sbatch_nodes == config_nodes
+
+
+def test_size_templates_and_their_configs_exist():
+    assert all(os.path.isfile(os.path.join(ROOT, path)) for path in [*SIZE_SCRIPTS, *SIZE_SCRIPTS.values()])
 
 
 def test_missing_config_argument_fails_with_usage(tmp_path):

@@ -66,6 +66,8 @@ class ModelConfig:
     """SwiGLU hidden size (path empty)."""
     vocab_size: int = 0
     """Vocabulary size (path empty); 0 takes the tokenizer's size."""
+    head_dim: int = 0
+    """Width of one attention head (path empty; qwen3 / qwen3_moe may differ from it); 0: hidden / heads."""
     max_position_embeddings: int = 512
     """Longest sequence (path empty)."""
     rope_theta: float = 10000.0
@@ -98,6 +100,10 @@ class ModelConfig:
         check(not self.is_moe or self.moe_intermediate_size > 0, "model.moe_intermediate_size must be > 0")
         one_of("model.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
         check(self.num_layers > 0 and self.hidden_size > 0, "model sizes must be > 0")
+        check(self.head_dim == 0 or (self.head_dim > 0 and self.architecture.startswith("qwen3"))
+              or self.head_dim * self.num_attention_heads == self.hidden_size,
+              f"model.head_dim={self.head_dim}: only qwen3 / qwen3_moe set a head width other than hidden_size / "
+              "num_attention_heads; set it to 0")
         check(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0,
                "model.num_attention_heads must be a multiple of model.num_key_value_heads")
 

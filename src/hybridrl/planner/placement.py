@@ -97,24 +97,27 @@ class PhaseCosts:
                     sync_bandwidth: float = 25e9) -> "PhaseCosts":
         """Costs from FLOPs and bytes, over full-length sequences (prompt + response at their maxima,
         so an upper bound). Training: 2·P FLOPs per token forward, 6·P forward and backward (8·P with
-        recompute), at `train_flops` per device (attention's s² term left out: ~2% at 1.5k tokens).
+        recompute), at `train_flops` per device (attention's s² term left out: ~2% at 1.5k tokens);
+        P counts the parameters a token passes through (for MoE the active ones, k of E experts),
+        while bytes (decode reads, the sync) count all of them.
         Prefill at training speed; each decoded token costs the larger of its compute (2·P at
         decode_efficiency · train_flops) and its HBM reads: the weights, shared by the engine's batch
         (the KV cache's sequences, at most rollout.max_num_seqs), plus its own KV context. The floor is
-        one response alone (weights read once per token, over rollout TP); the sync sends the
-        weights at `sync_bandwidth` bytes/s. No hybrid switch cost (a profile measures it)."""
+        one response alone (the weights it passes through read once per token, over rollout TP); the
+        sync sends the weights at `sync_bandwidth` bytes/s. No hybrid switch cost (a profile measures it)."""
         layout = derive_layout(cfg, world, vocab_size, allow_missing_path=True)
         arch = mem.arch_from_model_config(cfg.model, vocab_size)
         params, e = mem.total_params(arch), mem.BYTES_PER_ELEMENT[cfg.model.params_dtype]
+        active = mem.active_params(arch)
         d, samples = cfg.data, layout.samples_per_step
-        forward = 2 * params * samples * (d.max_prompt_length + d.max_response_length) / train_flops
+        forward = 2 * active * samples * (d.max_prompt_length + d.max_response_length) / train_flops
         update = forward * (4 if cfg.parallel.recompute_activations else 3)
         batch = max(1, min(cfg.rollout.max_num_seqs, estimate(cfg, world, vocab_size).kv_cache.sequences))
         context = d.max_prompt_length + d.max_response_length / 2
         kv = mem.kv_bytes_per_token(arch, 1, 1, cfg.model.params_dtype)
-        per_token = max(2 * params / (train_flops * decode_efficiency),
+        per_token = max(2 * active / (train_flops * decode_efficiency),
                         (params * e / batch + context * kv) / hbm_bandwidth)
-        prefill = 2 * params * samples * d.max_prompt_length / train_flops
+        prefill = 2 * active * samples * d.max_prompt_length / train_flops
         critic = cfg.algorithm.uses_critic
         return cls(
             gen=prefill + samples * d.max_response_length * per_token,
@@ -125,7 +128,7 @@ class PhaseCosts:
             update_critic=update * cfg.critic.ppo_epochs if critic else 0.0,
             update_actor=update * cfg.actor.ppo_epochs,
             update_weights=params * e / sync_bandwidth,
-            gen_floor_s=d.max_response_length * params * e / (cfg.rollout.tensor_model_parallel_size * hbm_bandwidth))
+            gen_floor_s=d.max_response_length * active * e / (cfg.rollout.tensor_model_parallel_size * hbm_bandwidth))
 
 
 def load_profile(path: str) -> Dict[str, float]:

@@ -1,10 +1,12 @@
 """Layout planner: process groups and a per-GPU memory estimate for a config at a world size.
 
-`plan(cfg, world_size) -> Plan` lists which global ranks form each TP, PP, DP (and rollout TP)
-group, estimates memory per GPU for every phase of a hybrid-engine step, and raises `PlanError`
-(naming the biggest consumer and the fix) when the peak exceeds `parallel.gpu_memory_gb`.
-`Plan.render()` is the text that `scripts/plan_layout.py` and the trainer's `--dry-run` print.
-It creates no process groups and touches no GPU; the formulas live in `hybridrl.planner.memory`.
+`plan(cfg, world_size) -> Plan` lists which global ranks form each TP, PP, DP (for MoE models EP
+and expert DP; and rollout TP) group, estimates memory per GPU for every phase of a hybrid-engine
+step, and raises `PlanError` (naming the biggest consumer and the fix) when the peak exceeds
+`parallel.gpu_memory_gb`. `Plan.render()` is the text that `scripts/plan_layout.py` and the trainer's
+`--dry-run` print (written by `hybridrl.planner.report`). It creates no process groups and touches no
+GPU; the formulas live in `hybridrl.planner.memory`. MoE models are planned on their total parameters
+(every expert is in memory), experts split over EP ranks, with their dispatch buffers in the updates.
 
 Hybrid engine: actor, critic, reference and rollout engine share every GPU and run one after the
 other, so the peak is the maximum over phases, not the sum. The phases are the trainer's, in its
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from hybridrl.planner import memory as mem
+from hybridrl.planner.report import advice, render_plan
 from hybridrl.config import Config, ConfigError, OffloadConfig
 from hybridrl.config.layout import Layout, derive_layout
 from hybridrl.placement.offload import HYBRID_PHASES, PARTS
@@ -53,14 +56,20 @@ class RankGroups:
     pp: Tuple[Tuple[int, ...], ...]
     dp: Tuple[Tuple[int, ...], ...]
     rollout_tp: Tuple[Tuple[int, ...], ...]
+    ep: Tuple[Tuple[int, ...], ...] = ()
+    """Ranks that split one MoE layer's experts (contiguous in DP)."""
+    expert_dp: Tuple[Tuple[int, ...], ...] = ()
+    """Ranks that hold the same experts (their grads are reduced and optimizer states sharded there)."""
 
 
-def rank_groups(world_size: int, tp: int, pp: int, rollout_tp: int = 1) -> RankGroups:
+def rank_groups(world_size: int, tp: int, pp: int, rollout_tp: int = 1, ep: int = 1) -> RankGroups:
     """Groups as `parallel_state.initialize_model_parallel` builds them with its default order
-    "tp-cp-ep-dp-pp" (cp = ep = 1): rank = tp_rank + tp·dp_rank + tp·dp·pp_rank, so TP ranks are
+    "tp-cp-ep-dp-pp" (cp = 1): rank = tp_rank + tp·dp_rank + tp·dp·pp_rank, so TP ranks are
     contiguous, then DP, then PP; the first listed dimension varies fastest over groups, as in
-    megatron's `RankGenerator`. Rollout engines take contiguous blocks of rollout_tp ranks."""
+    megatron's `RankGenerator`. Experts (expert TP = TP) split dp_rank = ep_rank + ep·expert_dp_rank.
+    Rollout engines take contiguous blocks of rollout_tp ranks."""
     dp = world_size // (tp * pp)
+    edp = dp // ep
 
     def rank(t, d, p):
         return t + tp * d + tp * dp * p
@@ -69,7 +78,11 @@ def rank_groups(world_size: int, tp: int, pp: int, rollout_tp: int = 1) -> RankG
         tp=tuple(tuple(rank(t, d, p) for t in range(tp)) for p in range(pp) for d in range(dp)),
         pp=tuple(tuple(rank(t, d, p) for p in range(pp)) for d in range(dp) for t in range(tp)),
         dp=tuple(tuple(rank(t, d, p) for d in range(dp)) for p in range(pp) for t in range(tp)),
-        rollout_tp=tuple(tuple(range(i, i + rollout_tp)) for i in range(0, world_size, rollout_tp)))
+        rollout_tp=tuple(tuple(range(i, i + rollout_tp)) for i in range(0, world_size, rollout_tp)),
+        ep=tuple(tuple(rank(t, e + ep * x, p) for e in range(ep)) for p in range(pp) for x in range(edp)
+                 for t in range(tp)),
+        expert_dp=tuple(tuple(rank(t, e + ep * x, p) for x in range(edp)) for p in range(pp) for e in range(ep)
+                        for t in range(tp)))
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,8 @@ class Plan:
     gpus_per_node: int
     gpu_memory_bytes: float
     model_params: int
+    """All parameters, every expert included."""
+    arch: mem.Arch
     seq_len: int
     phases: Tuple[Phase, ...]
     kv_cache: KVCache
@@ -129,7 +144,7 @@ class Plan:
         return next(p for p in self.phases if p.name == name)
 
     def render(self) -> str:
-        return _render(self)
+        return render_plan(self)
 
 
 @dataclass(frozen=True)
@@ -147,8 +162,9 @@ class _Ctx:
 
 
 def _states(ctx: _Ctx, stage: int, critic: bool) -> dict:
-    n = mem.stage_params(ctx.arch, ctx.layout.tp, ctx.layout.pp, stage, critic)
-    return mem.training_state_bytes(n, ctx.dtype, ctx.layout.dp, ctx.cfg.parallel.use_distributed_optimizer)
+    lay = ctx.layout
+    return mem.stage_state_bytes(ctx.arch, lay.tp, lay.pp, stage, lay.dp, lay.ep, ctx.dtype,
+                                 ctx.cfg.parallel.use_distributed_optimizer, critic)
 
 
 STATE_KINDS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
@@ -253,7 +269,8 @@ def _forward_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     items = _base(ctx, stage, phase)
     last = stage == ctx.layout.pp - 1
     forward = mem.forward_bytes(ctx.arch, ctx.seq, micro, ctx.layout.tp, ctx.dtype, last_stage=last,
-                                scalar_head=role == "critic", response=ctx.cfg.data.max_response_length)
+                                scalar_head=role == "critic", response=ctx.cfg.data.max_response_length,
+                                ep=ctx.layout.ep)
     items.append((f"{role}/forward", forward))
     return Phase(f"{role} values" if role == "critic" else f"{role} log-prob", stage, tuple(items))
 
@@ -269,7 +286,7 @@ def _reward_model_arch(cfg: Config, actor: mem.Arch) -> Optional[mem.Arch]:
 
 
 def _reward_model_weights(ctx: _Ctx, stage: int) -> float:
-    n = mem.stage_params(ctx.rm_arch, ctx.layout.tp, ctx.layout.pp, stage, critic=True)
+    n = mem.stage_params(ctx.rm_arch, ctx.layout.tp, ctx.layout.pp, stage, critic=True, ep=ctx.layout.ep)
     return n * mem.BYTES_PER_ELEMENT[ctx.dtype]
 
 
@@ -278,7 +295,7 @@ def _reward_model_phase(ctx: _Ctx, stage: int) -> Phase:
     rm = ctx.cfg.reward_model
     items = _base(ctx, stage, "reward")
     forward = mem.forward_bytes(ctx.rm_arch, rm.max_length or ctx.seq, rm.micro_batch_size_per_gpu, ctx.layout.tp,
-                                ctx.dtype, last_stage=stage == ctx.layout.pp - 1, scalar_head=True)
+                                ctx.dtype, last_stage=stage == ctx.layout.pp - 1, scalar_head=True, ep=ctx.layout.ep)
     return Phase("reward model", stage, tuple(items + [("reward_model/forward", forward)]))
 
 
@@ -290,9 +307,13 @@ def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     mini = lay.critic_mini_batch_samples if critic else lay.actor_mini_batch_samples
     in_flight = max(1, min(lay.pp - stage, int(mini // (lay.dp * micro))))
     items = _base(ctx, stage, f"update_{role}")
+    aux_loss = not critic and ctx.cfg.actor.moe_aux_loss_coeff > 0
     acts = mem.stage_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.pp, in_flight,
-                                      ctx.cfg.parallel.recompute_activations, ctx.dtype)
+                                      ctx.cfg.parallel.recompute_activations, ctx.dtype, aux_loss)
     items.append((f"{role}/activations", acts))
+    if ctx.arch.is_moe:  # one MoE layer's dispatch buffers at a time, forward and backward
+        dispatch = mem.dispatch_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.ep, ctx.dtype)
+        items.append((f"{role}/dispatch", dispatch))
     if stage == lay.pp - 1:
         head = mem.head_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, ctx.dtype, critic,
                                          response=ctx.cfg.data.max_response_length)
@@ -364,8 +385,9 @@ def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: i
                 by_name[phase.name] = phase
     kv = _kv_cache(ctx)
     gpn = gpus_per_node or cfg.parallel.gpus_per_node
-    return Plan(layout, rank_groups(world_size, layout.tp, layout.pp, layout.rollout_tp), gpn, ctx.gpu_bytes,
-                mem.total_params(arch), ctx.seq, tuple(by_name.values()), kv, _notes(ctx, gpn, kv))
+    groups = rank_groups(world_size, layout.tp, layout.pp, layout.rollout_tp, layout.ep)
+    return Plan(layout, groups, gpn, ctx.gpu_bytes, mem.total_params(arch), arch, ctx.seq, tuple(by_name.values()),
+                kv, _notes(ctx, gpn, kv))
 
 
 def two_copy_peak(cfg: Config, world_size: int, vocab_size: int = 0) -> float:
@@ -391,87 +413,10 @@ def plan(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int =
         raise PlanError(
             f"layout does not fit: phase '{peak.name}' (pipeline stage {peak.stage}) needs "
             f"{peak.total / GIB:.1f} GiB per GPU but parallel.gpu_memory_gb={cfg.parallel.gpu_memory_gb:g}; "
-            f"biggest consumer {name} = {size / GIB:.1f} GiB. Fix: {advice(name, peak.name, cfg)}")
+            f"biggest consumer {name} = {size / GIB:.1f} GiB. Fix: {advice(name, peak.name, cfg, p.arch.is_moe)}")
     if p.kv_cache.sequences < 1:
         raise PlanError(
             f"the rollout KV cache ({p.kv_cache.bytes / GIB:.2f} GiB after the engine's weights) cannot hold one "
             f"sequence of {p.seq_len} tokens ({p.kv_cache.bytes_per_sequence / GIB:.2f} GiB). Fix: raise "
             f"rollout.gpu_memory_utilization or rollout.tensor_model_parallel_size, or shorten data.max_*_length")
     return p
-
-
-def advice(consumer: str, phase: str, cfg: Config) -> str:
-    """The config changes that shrink `consumer` in `phase`, most effective first."""
-    role, kind = consumer.split("/", 1)
-    idle = not phase.startswith(role) and not (phase == "weight sync" and consumer == "actor/weights")
-    more_mp = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"
-    fixes = []
-    if kind == "optimizer":
-        if not cfg.parallel.use_distributed_optimizer:
-            fixes.append("set parallel.use_distributed_optimizer=true")
-        fixes += [f"set {role}.offload.optimizer=true"] if idle else []
-        fixes += [more_mp, "or use more nodes (a larger DP shards the distributed optimizer further)"]
-    elif kind in ("weights", "grads"):
-        if role in ("ref", "reward_model"):
-            fixes.append(f"set {role}.offload_params=true")
-        elif idle:
-            fixes.append(f"set {role}.offload.{'params' if kind == 'weights' else 'grads'}=true")
-        fixes.append(more_mp)
-    elif kind in ("activations", "logits", "value_head"):
-        if kind == "activations" and not cfg.parallel.recompute_activations:
-            fixes.append("set parallel.recompute_activations=true")
-        fixes += [f"lower {role}.ppo_micro_batch_size_per_gpu", more_mp]
-    elif kind == "forward":
-        micro = "micro_batch_size_per_gpu" if role == "reward_model" else "log_prob_micro_batch_size_per_gpu"
-        fixes += [f"lower {role}.{micro}", more_mp]
-    elif kind == "vllm_pool":
-        fixes += ["lower rollout.gpu_memory_utilization",
-                  "offload the idle training state during rollout (actor.offload.params/grads/optimizer=true)"]
-        if not cfg.rollout.free_cache_engine:
-            fixes.insert(0, "set rollout.free_cache_engine=true")
-    elif kind == "engine_weights":
-        fixes += ["raise rollout.tensor_model_parallel_size"]
-        fixes += [] if cfg.rollout.free_cache_engine else ["set rollout.free_cache_engine=true"]
-    elif kind == "weight_sync_buffers":
-        fixes += ["lower rollout.update_weights_bucket_mb", "set rollout.tensor_model_parallel_size equal to "
-                  "parallel.tensor_model_parallel_size at PP 1 (shards go straight into the engine)"]
-    elif kind == "kv_cache":
-        fixes += ["use rollout.name=vllm", "lower data.train_batch_size or rollout.n", more_mp]
-    else:
-        fixes.append(more_mp)
-    return "; ".join(fixes)
-
-
-def _fmt_groups(name: str, groups, limit: int = 8) -> str:
-    shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
-    more = f" ... (+{len(groups) - limit} more)" if len(groups) > limit else ""
-    return f"  {name:<11} {len(groups):>4} x {len(groups[0])}: {shown}{more}"
-
-
-def _size(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.1f} MiB"
-
-
-def _render(p: Plan) -> str:
-    lay = p.layout
-    nodes = -(-lay.world_size // p.gpus_per_node)
-    lines = [f"layout: {lay.describe()}; {nodes} node(s) x {p.gpus_per_node} GPUs; model "
-             f"{p.model_params / 1e9:.2f}B params, sequence {p.seq_len} tokens",
-             "process groups (megatron-core order tp-cp-ep-dp-pp: rank = tp_rank + tp*dp_rank + tp*dp*pp_rank):",
-             _fmt_groups("TP", p.groups.tp), _fmt_groups("PP", p.groups.pp), _fmt_groups("DP", p.groups.dp),
-             _fmt_groups("rollout TP", p.groups.rollout_tp),
-             "memory per GPU (hybrid engine: phases run one after another, peak = max over phases;"
-             " idle roles keep what their offload flags leave on the GPU):"]
-    peak = p.peak
-    for phase in p.phases:
-        mark = "   <- peak" if phase is peak else ""
-        lines.append(f"  {phase.name} (pipeline stage {phase.stage}): {_size(phase.total)}{mark}")
-        lines += [f"      {name:<28} {_size(size):>11}" for name, size in phase.items]
-    kv = p.kv_cache
-    lines.append(f"rollout KV cache: {_size(kv.bytes)} = {kv.sequences} sequences of {p.seq_len} tokens "
-                 f"({kv.sequences_needed} per engine per step)")
-    verdict = "fits" if p.fits else "DOES NOT FIT"
-    lines.append(f"peak {_size(peak.total)} of {_size(p.gpu_memory_bytes)} "
-                 f"({100 * peak.total / p.gpu_memory_bytes:.0f}%, phase '{peak.name}'): {verdict}")
-    lines += [f"note: {n}" for n in p.notes]
-    return "\n".join(lines)
