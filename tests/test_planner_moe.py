@@ -221,3 +221,27 @@ def test_engine_holds_every_expert_at_rollout_tp():
     engine = p.phase("rollout").bytes("rollout/engine_weights")
     assert engine == mem.stage_params(arch, 4, 1, 0) * 2
     assert engine == pytest.approx(mem.total_params(arch) * 2 / 4, rel=0.01)
+    # each engine of rollout TP 4 over TP 1 ranks decodes their 4 DP shards of 160 rows as one batch
+    assert p.kv_cache.sequences_needed == 256  # rollout.max_num_seqs caps the 640
+    wide = load_config(os.path.join(CONFIGS, "qwen3_30b_a3b.yaml"), ["rollout.max_num_seqs=1024"])
+    assert estimate(wide, 16).kv_cache.sequences_needed == 640
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_moe_demo_prints_the_expert_layout(tmp_path):
+    """The trainer's --dry-run at EP 2 (two processes) ends with the plan: EP in the layout line, the EP
+    and expert-DP groups, total and active parameters, the dispatch buffers."""
+    import subprocess
+    import sys
+
+    tmp = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", os.path.join(CONFIGS, "tiny_cpu_moe.yaml"),
+         "--dry-run", f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/test.parquet]",
+         f"trainer.default_local_dir={tmp}/ckpt", f"trainer.log_dir={tmp}/tb"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for fragment in ("world=2 tp=1 pp=1 dp=2 ep=2", "active per token (2 of 8 experts)", "EP             1 x 2: [0,1]",
+                     "expert DP      2 x 1: [0] [1]", "actor/dispatch", "Ready for real training"):
+        assert fragment in out.stdout, fragment

@@ -29,6 +29,15 @@ dropout), tensor parallel without sequence parallel:
                                     it), Q's contiguous copy, normalised Q and K
     scores       a·s²·b·(4 + e) / t fp32 softmax output + its e-byte copy for the value matmul
                                     (one fp32 tensor when e = 4)
+Full recomputation keeps each layer's input (s·b·h·e) and rebuilds one layer at a time in backward.
+Final norm: 3·s·b·h·e. Logits: s·b·Vp/t·e for every position, plus the loss side over the R
+response positions (`loss_side_bytes`): the log-prob and entropy function works in chunks and
+saves per-token statistics only, so its backward holds the logits' gradient (R·b·Vp/t·e, then
+s·b·Vp/t·e) and two fp32 chunks. Checked against the bytes autograd saves in a real fp32 CPU step
+(tests/test_planner.py: within 3%). Where kernels differ the count is off: a fused RMSNorm saves
+only its input (fewer bytes), torch's composite bf16 RMSNorm on CPU adds fp32 copies (~7% more in
+total), flash attention drops the scores term (much less at long sequences).
+
 An MoE layer replaces the MLP term by the routed one (megatron's MoELayer, allgather dispatcher,
 SequentialMLP experts, router in fp32). Each EP rank gathers the s·b·ep tokens of its EP group and
 computes its E/ep experts on the copies routed to them, k·s·b per rank on average (balanced
@@ -41,18 +50,11 @@ routing; a rank whose experts draw more tokens holds proportionally more):
                                     routing map (bool) and weights (fp32) over the EP group's tokens
                  + 4·s·b·(E - k)    pre-softmax routing (norm_topk_prob false): softmax over all E
                  + s·b·(4·E + 8·k)  with an aux loss: its own softmax scores and top-k indices
-Checked op by op against what autograd saves in a real MoE step at EP 1 (tests/test_planner.py).
-Not saved but held while one MoE layer runs (`dispatch_bytes`, its own item in the plan): the EP
-group's gathered tokens s·b·ep·h·e, the expert outputs and the combined output before the
-reduce-scatter (s·b·ep·h, with an fp32 copy in bf16).
-Full recomputation keeps each layer's input (s·b·h·e) and rebuilds one layer at a time in backward.
-Final norm: 3·s·b·h·e. Logits: s·b·Vp/t·e for every position, plus the loss side over the R
-response positions (`loss_side_bytes`): the log-prob and entropy function works in chunks and
-saves per-token statistics only, so its backward holds the logits' gradient (R·b·Vp/t·e, then
-s·b·Vp/t·e) and two fp32 chunks. Checked against the bytes autograd saves in a real fp32 CPU step
-(tests/test_planner.py: within 3%). Where kernels differ the count is off: a fused RMSNorm saves
-only its input (fewer bytes), torch's composite bf16 RMSNorm on CPU adds fp32 copies (~7% more in
-total), flash attention drops the scores term (much less at long sequences).
+Checked against what autograd saves in a real fp32 MoE step (tests/test_planner_moe.py: the layers
+within 1.4% at EP 1 and, averaged over the EP ranks, at EP 2; what is left out is free of h: RoPE's
+cos/sin tables, RMSNorm statistics, the mask). Not saved but held while one MoE layer runs
+(`dispatch_bytes`, an item of its own in the plan): the EP group's gathered tokens s·b·ep·h·e, the
+expert outputs, and the combined output before the reduce-scatter (s·b·ep·h, with an fp32 copy in bf16).
 """
 from __future__ import annotations
 

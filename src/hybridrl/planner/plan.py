@@ -340,8 +340,12 @@ def _stage_phases(ctx: _Ctx, stage: int) -> List[Phase]:
 
 
 def _native_slots(ctx: _Ctx) -> int:
-    """KV-cache slots of the native engine: rollout.max_num_seqs, or fewer when fewer rows come."""
-    return min(ctx.cfg.rollout.max_num_seqs, ctx.layout.samples_per_step_per_dp)
+    """KV-cache slots of the native engine: rollout.max_num_seqs, or fewer when fewer rows come. A
+    colocated engine decodes the distinct DP shards of its rollout-TP ranks as one batch
+    (`join_requests`; first-stage ranks bring them): rollout_tp / tp shards when rollout TP is larger."""
+    lay = ctx.layout
+    shards = 1 if lay.split else max(1, lay.rollout_tp // lay.tp)
+    return min(ctx.cfg.rollout.max_num_seqs, lay.samples_per_step_per_dp * shards)
 
 
 def _kv_cache(ctx: _Ctx) -> KVCache:
