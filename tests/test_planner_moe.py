@@ -245,3 +245,16 @@ def test_dry_run_of_the_moe_demo_prints_the_expert_layout(tmp_path):
     for fragment in ("world=2 tp=1 pp=1 dp=2 ep=2", "active per token (2 of 8 experts)", "EP             1 x 2: [0,1]",
                      "expert DP      2 x 1: [0] [1]", "actor/dispatch", "Ready for real training"):
         assert fragment in out.stdout, fragment
+
+
+def test_moe_phase_costs_count_active_flops_and_total_bytes():
+    """--placement auto: a token's FLOPs go through the active parameters (8 of 128 experts), the weight
+    sync moves all of them."""
+    from hybridrl.planner.placement import PhaseCosts
+
+    cfg = load_config(os.path.join(CONFIGS, "qwen3_30b_a3b.yaml"))
+    arch = mem.arch_from_model_config(cfg.model)
+    costs = PhaseCosts.from_config(cfg, 16)
+    tokens = 256 * 5 * (512 + 1024)
+    assert costs.update_actor == pytest.approx(3 * 2 * mem.active_params(arch) * tokens / 400e12)
+    assert costs.update_weights == pytest.approx(mem.total_params(arch) * 2 / 25e9)
