@@ -4,7 +4,7 @@ value head sits on the MoE trunk), and the MoE metrics with the engine-vs-traine
 import pytest
 
 from dist_helper import run_distributed
-from test_trainer import TINY, _overrides, _train, read_scalars
+from test_trainer import TINY, _overrides, _torchrun, _train, read_scalars
 
 MOE = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2", "model.moe_intermediate_size=32",
        "actor.router_replay=rollout", "trainer.total_training_steps=3", "trainer.logger=[console,tensorboard]"]
@@ -51,3 +51,14 @@ def test_the_actor_uses_the_engines_routes(tmp_path):
     run_distributed(_train_with_shifted_routes, 1, TINY, _overrides(tmp_path, MOE + [
         "trainer.total_training_steps=1", "algorithm.adv_estimator=grpo"]))
     assert read_scalars(tmp_path)["rollout/logprob_diff_mean"][1] > 1e-3  # against ~1e-7 with the true routes
+
+
+@pytest.mark.slow
+def test_split_placement_carries_the_routes(tmp_path):
+    """Two trainer ranks at EP 2 (both walk the weight stream: each holds half of the experts) and a rollout rank
+    of its own, one step off-policy: the routes come back with the responses, joined across chunks."""
+    _torchrun(tmp_path, 3, MOE + ["algorithm.adv_estimator=grpo", "parallel.expert_model_parallel_size=2",
+                                  "placement.mode=split", "placement.rollout_world_size=1",
+                                  "async_training.staleness_threshold=1"])
+    diff = read_scalars(tmp_path)["rollout/logprob_diff_mean"]
+    assert diff[1] < 1e-4 and len(diff) == 3  # the first batch comes from the initial weights, replayed exactly

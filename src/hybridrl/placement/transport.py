@@ -42,7 +42,8 @@ class _Buffer:
 
 class WeightSender:
     """Trainer side: every rank of the DP-0 replica calls `send` (the bucket stream is collective over
-    it); other DP ranks call it too and return at once. `bridge` is None except on the sender."""
+    it, and over its expert-parallel peers, DP ranks 1..ep-1, which walk it too); other DP ranks call it
+    too and return at once. `bridge` is None except on the sender."""
 
     def __init__(self, bridge, groups, spec: GPTSpec, bucket_mb: float, verify: str):
         self.bridge, self.groups, self.spec = bridge, groups, spec
@@ -51,7 +52,7 @@ class WeightSender:
 
     def send(self, model, version: int) -> dict:
         start, sent, buckets = time.perf_counter(), 0, 0
-        if self.groups.dp_rank == 0:
+        if self.groups.dp_rank < self.groups.ep:  # DP 0 and its expert-parallel peers (which hold the other experts)
             for bucket in iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes):
                 if self.bridge is not None:
                     sent += self._send_bucket(bucket)

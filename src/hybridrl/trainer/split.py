@@ -347,7 +347,7 @@ class Pipeline:
             empty = torch.zeros(0, self.client.last_width)
             return RolloutOutput(empty.long(), empty, empty.clone()), torch.zeros(0, dtype=torch.long)
         chunks.sort(key=lambda c: c[1])
-        return _join([c[0] for c in chunks], self.client.pad_id), torch.cat([c[3] for c in chunks])
+        return join_outputs([c[0] for c in chunks], self.client.pad_id), torch.cat([c[3] for c in chunks])
 
     def stream(self, ids: list, seeds: list, sampling: SamplingParams, key):
         """(output, lo, hi, row versions) per chunk of this rank's prompts [lo, hi), in completion order:
