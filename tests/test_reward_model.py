@@ -44,6 +44,7 @@ def folders(tmp_path_factory):
     tok_folder, tok_vocab, tok_pad = _rm_tokenizer_folder(str(root / "rm_tokenizer"))
     return {"qwen2": random_hf_model_folder(str(root / "qwen2"), "qwen2", seed=1, num_hidden_layers=4, **kw),
             "llama": random_hf_model_folder(str(root / "llama"), "llama", seed=2, tie_word_embeddings=True, **kw),
+            "qwen3_moe": random_hf_model_folder(str(root / "qwen3_moe"), "qwen3_moe", seed=6, **kw),
             "own_tokenizer": random_hf_model_folder(str(root / "own"), "qwen2", seed=3, head="score",
                                                     vocab_size=tok_vocab, pad_token_id=tok_pad),
             "tokenizer": tok_folder, "lm": random_hf_model_folder(str(root / "lm"), "qwen2", seed=4),
@@ -84,7 +85,7 @@ def _scores_run(folders):
     out = {}
     for tp, pp in LAYOUTS:
         groups = reinit_parallel(tp, pp)
-        for kind in ("qwen2", "llama"):
+        for kind in ("qwen2", "llama", "qwen3_moe"):
             worker = build_reward_model(_config(folders[kind], offload=kind == "llama"), groups, actor_tok)
             if worker.offloader is not None:  # offloaded at build; scores are the same after the round trip
                 freed = all(p.untyped_storage().nbytes() == 0 for p in worker.engine.module.parameters())
@@ -141,7 +142,7 @@ def test_scores_equal_transformers_at_tp_pp_and_reencoded(folders):
     for part in run_distributed(_scores_run, 2, folders):
         merged.update(part)
     batch = ppo_batch()
-    for kind in ("qwen2", "llama"):
+    for kind in ("qwen2", "llama", "qwen3_moe"):  # MoE at TP 2 too: the frozen reward model only runs inference
         ref = _hf_scores(folders[kind], batch)
         for tp, pp in LAYOUTS:
             torch.testing.assert_close(merged[(tp, pp, kind)], ref, atol=1e-4, rtol=0, msg=f"{kind} tp={tp} pp={pp}")
