@@ -158,3 +158,19 @@ def test_a_hung_phase_ends_the_run_naming_rank_and_phase(tmp_path):
     assert len(errors) == 1 and "rank 0 made no progress" in errors[0] and "in phase reward" in errors[0], errors
     stacks = (tmp_path / "tb" / "hang_rank0.txt").read_text()
     assert "compute_score" in stacks and "slow_reward.py" in stacks
+
+
+def test_a_stop_file_older_than_the_newest_checkpoint_was_served(tmp_path):
+    """A resumed run removes the stop file its predecessor saved for, but not one touched while it started
+    (a pre-emption notice during a long model load used to be deleted unseen)."""
+    from hybridrl.trainer.preemption import stop_file_served
+
+    stop, ckpt = tmp_path / "STOP", tmp_path / "global_step_4"
+    ckpt.mkdir()
+    stop.touch()
+    (ckpt / "meta.json").write_text("{}")
+    os.utime(stop, (1000, 1000))
+    os.utime(ckpt / "meta.json", (2000, 2000))
+    assert stop_file_served(str(stop), str(ckpt))
+    os.utime(stop, (3000, 3000))
+    assert not stop_file_served(str(stop), str(ckpt)) and not stop_file_served(str(stop), None)

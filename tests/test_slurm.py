@@ -3,7 +3,9 @@ scontrol on PATH (test doubles of the scheduler only: they record their argument
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -15,8 +17,16 @@ SCRIPTS = ["slurm/ppo.sh", *SIZE_SCRIPTS]
 
 FAKE_SRUN = """#!/bin/sh
 printf '%s\\0' "$@" > "$FAKE_LOG/srun.argv"
+for k in OMP_NUM_THREADS PET_SIGNALS_TO_HANDLE TORCH_ELASTIC_SHUTDOWN_TIMEOUT SRUN_CPUS_PER_TASK SLURM_JOB_END_TIME; do
+    eval "echo $k=\\${$k:-}"
+done > "$FAKE_LOG/srun.env"
+[ -n "${FAKE_SRUN_TOUCH:-}" ] && touch "$FAKE_SRUN_TOUCH"
+if [ -n "${FAKE_SRUN_WAIT_FOR:-}" ]; then while [ ! -e "$FAKE_SRUN_WAIT_FOR" ]; do sleep 0.1; done; fi
 echo "srun $*"
 exit ${FAKE_SRUN_EXIT:-0}
+"""
+FAKE_SQUEUE = """#!/bin/sh
+echo "${FAKE_END:-}"
 """
 FAKE_SCONTROL = """#!/bin/sh
 printf '%s\\0' "$@" > "$FAKE_LOG/scontrol.argv"
@@ -40,22 +50,30 @@ def _read_argv(path):
 
 def _run(tmp_path, script, args, **env_extra):
     """Run `script` from a copy of slurm/ in a fake submit folder; returns (srun argv, scontrol argv, stdout)."""
+    proc, log = _start(tmp_path, script, args, **env_extra)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "repo" / "logs").is_dir() and (tmp_path / "repo" / "runs" / "4242").is_dir()
+    return _read_argv(log / "srun.argv"), _read_argv(log / "scontrol.argv"), out
+
+
+def _start(tmp_path, script, args, **env_extra):
+    """The batch shell of `script`, started in a fake submit folder; returns (process, log folder)."""
     repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "log"
     shutil.copytree(os.path.join(ROOT, "slurm"), repo / "slurm")
     for d in (bin_dir, log):
         d.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "GPUS_PER_NODE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_", "PET_")) and k not in
+           ("GPUS_PER_NODE", "OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="4242", SLURM_NNODES="2",
-               SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_SUBMIT_DIR=str(repo), SLURM_GPUS_ON_NODE="8",
-               **env_extra)
-    proc = subprocess.run(["bash", str(repo / script), *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc.stderr
-    assert (repo / "logs").is_dir() and (repo / "runs" / "4242").is_dir()
-    return _read_argv(log / "srun.argv"), _read_argv(log / "scontrol.argv"), proc.stdout
+               SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_SUBMIT_DIR=str(repo), SLURM_GPUS_ON_NODE="8")
+    env.update(env_extra)
+    proc = subprocess.Popen(["bash", str(repo / script), *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, log
 
 
 def _torchrun(srun_argv):
@@ -138,3 +156,71 @@ def test_preemption_headers(script):
         text = f.read()
     assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
     assert "#SBATCH --open-mode=append" in text  # the requeued run's lines follow the first run's
+
+
+def _srun_env(tmp_path) -> dict:
+    with open(tmp_path / "log" / "srun.env") as f:
+        return dict(line.rstrip("\n").split("=", 1) for line in f)
+
+
+def test_cpu_only_allocation_runs_a_process_per_cpu(tmp_path):
+    """sbatch --gpus-per-node=0 --cpus-per-task=4: no GPUs on the node, 4 ranks of 1 thread; srun gets the
+    task's CPUs (srun of SLURM 22.05 on does not inherit them), torchrun passes USR1 on to the ranks."""
+    srun, _, out = _run(tmp_path, "slurm/ppo.sh", ["configs/tiny_cpu.yaml"], SLURM_GPUS_ON_NODE="",
+                        SLURM_GPUS_PER_NODE="0", SLURM_CPUS_PER_TASK="4", SLURM_CPUS_ON_NODE="4")
+    assert "--nproc_per_node=4" in _torchrun(srun) and "x 4 CPU processes" in out
+    env = _srun_env(tmp_path)
+    assert env["OMP_NUM_THREADS"] == "1" and env["SRUN_CPUS_PER_TASK"] == "4"
+    assert "SIGUSR1" in env["PET_SIGNALS_TO_HANDLE"].split(",") and int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) > 30
+
+
+def test_gpu_count_from_a_typed_request_and_threads_per_gpu(tmp_path):
+    srun, _, out = _run(tmp_path, "slurm/ppo.sh", ["configs/tiny_cpu.yaml"], SLURM_GPUS_ON_NODE="",
+                        SLURM_GPUS_PER_NODE="a100:4", SLURM_CPUS_PER_TASK="32")
+    assert "--nproc_per_node=4" in _torchrun(srun) and "x 4 GPUs" in out
+    assert _srun_env(tmp_path)["OMP_NUM_THREADS"] == "8"
+
+
+def test_job_end_time_from_squeue_when_slurm_does_not_export_it(tmp_path):
+    """SLURM 22.05 exports no SLURM_JOB_END_TIME; trainer.stop_margin_s needs it."""
+    _run(tmp_path, "slurm/ppo.sh", ["configs/tiny_cpu.yaml"], FAKE_END="2030-01-02T03:04:05", TZ="UTC")
+    assert _srun_env(tmp_path)["SLURM_JOB_END_TIME"] == "1893553445"
+    _run(tmp_path / "unlimited", "slurm/ppo.sh", ["configs/tiny_cpu.yaml"], FAKE_END="NONE")
+    assert _srun_env(tmp_path / "unlimited")["SLURM_JOB_END_TIME"] == ""
+
+
+def test_a_run_that_saved_is_requeued_whatever_torchrun_returns(tmp_path):
+    """torchrun exits 1 when a rank exits 75: the STOPPED file the run leaves is what says it saved."""
+    stopped = tmp_path / "repo" / "checkpoints" / "4242" / "STOPPED"
+    _, scontrol, out = _run(tmp_path, "slurm/ppo.sh", ["configs/qwen2_7b.yaml"], FAKE_SRUN_EXIT="1",
+                            FAKE_SRUN_TOUCH=str(stopped))
+    assert scontrol == ["requeue", "4242"] and "requeueing" in out
+
+
+def test_what_stopped_the_previous_run_does_not_requeue_the_next(tmp_path):
+    """STOP and STOPPED of a requeued job's earlier run are removed before the run starts."""
+    ckpt = tmp_path / "repo" / "checkpoints" / "4242"
+    ckpt.mkdir(parents=True)
+    (ckpt / "STOP").touch()
+    (ckpt / "STOPPED").write_text("step 3 (SIGUSR1)\n")
+    _, scontrol, out = _run(tmp_path, "slurm/ppo.sh", ["configs/qwen2_7b.yaml"])
+    assert scontrol == ["show", "hostnames", "gpu-node-[07-08]"] and "requeueing" not in out
+    assert not (ckpt / "STOP").exists() and not (ckpt / "STOPPED").exists()
+
+
+def test_signal_touches_the_stop_file_of_the_checkpoint_folder_in_use(tmp_path):
+    """USR1 to the batch shell (SLURM's --signal=B:USR1@300) touches STOP where the run looks for it, also
+    when trainer.default_local_dir is given on the command line; the job then requeues."""
+    mine = tmp_path / "mine"
+    proc, log = _start(tmp_path, "slurm/ppo.sh", ["configs/qwen2_7b.yaml", f"trainer.default_local_dir={mine}"],
+                       FAKE_SRUN_WAIT_FOR=str(mine / "STOP"), FAKE_SRUN_EXIT="1")
+    try:
+        deadline = time.monotonic() + 20
+        while not (log / "srun.argv").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stop requested" in out and "requeueing" in out and _read_argv(log / "scontrol.argv") == ["requeue", "4242"]

@@ -221,7 +221,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     watchdog = Watchdog(tc.hang_timeout_s, tc.log_dir, dist.get_rank())
     trainer.timer.on_enter, trainer.timer.on_leave = watchdog.enter, watchdog.leave
     stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
-    stops.clear_stop_file()
+    stops.clear_stop_file(ckpt.latest())
     code = 0
     batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
@@ -261,6 +261,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         if reason:
             saver.finalize()
             print0(f"saved on signal at step {step} ({reason}): {ckpt.latest()}; the same command resumes it")
+            stops.mark_stopped(step, reason)
             code = EXIT_PREEMPTED
             break
     saver.finalize()

@@ -4,9 +4,10 @@ SIGTERM and SIGUSR1 (what SLURM sends before a preemption or the time limit, `--
 SIGINT (Ctrl-C), a stop file (`<trainer.default_local_dir>/STOP`, what slurm/ppo.sh touches when its
 batch shell gets the signal: no launcher has to forward anything) and `trainer.max_runtime` only raise a
 flag. At the next step boundary every trainer rank agrees on it (one all-reduce), the run saves a
-checkpoint (with the batch in flight, in split placement), prints `saved on signal at step K` and exits
-with EXIT_PREEMPTED, so a job script can requeue and the requeued job resumes by itself. A second
-SIGINT stops at once.
+checkpoint (with the batch in flight, in split placement), prints `saved on signal at step K`, leaves
+`<trainer.default_local_dir>/STOPPED` and exits with EXIT_PREEMPTED, so a job script can requeue and the
+requeued job resumes by itself (torchrun exits 1 whatever its ranks' codes: the file is what a job script
+can rely on). A second SIGINT stops at once.
 """
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybridrl.checkpoint.folders import META
+
 EXIT_PREEMPTED = 75
 """Exit code of a run that saved and stopped early (BSD's EX_TEMPFAIL: try again later)."""
 STOP_FILE = "STOP"
+STOPPED_FILE = "STOPPED"
+"""Left beside the stop file by a run that saved and stopped early: "step K (reason)"."""
 
 
 def parse_runtime(text: str) -> float:
@@ -44,6 +49,15 @@ def deadline(max_runtime: str, margin_s: float, environ=None) -> float | None:
     if env.get("SLURM_JOB_END_TIME", "").isdigit():
         limits.append(float(env["SLURM_JOB_END_TIME"]) - margin_s)
     return min(limits) if limits else None
+
+
+def stop_file_served(stop_file: str, latest_checkpoint: str | None) -> bool:
+    """Whether `stop_file` exists and is older than the checkpoint `latest_checkpoint` (the save it asked
+    for came after it)."""
+    meta = os.path.join(latest_checkpoint or "", META)  # written last, as the save completes
+    if not os.path.exists(stop_file) or not latest_checkpoint or not os.path.isfile(meta):
+        return False
+    return os.path.getmtime(stop_file) <= os.path.getmtime(meta)
 
 
 def ignore_stop_signals() -> None:
@@ -89,10 +103,22 @@ class StopRequests:
         dist.broadcast_object_list(box, src=int(flag.item()))
         return box[0]
 
-    def clear_stop_file(self) -> None:
-        """A requeued run must not stop again on the file that stopped its predecessor."""
-        if self.stop_file and dist.get_rank() == 0 and os.path.exists(self.stop_file):
+    def clear_stop_file(self, latest_checkpoint: str | None) -> None:
+        """A resumed run must not stop again on the file that stopped its predecessor: a stop file older than
+        the newest checkpoint was served by that save. A newer one (touched while this run started) stands."""
+        if not self.stop_file or dist.get_rank() != 0:
+            return
+        stopped = os.path.join(os.path.dirname(self.stop_file), STOPPED_FILE)
+        if os.path.exists(stopped):
+            os.remove(stopped)
+        if stop_file_served(self.stop_file, latest_checkpoint):
             os.remove(self.stop_file)
+
+    def mark_stopped(self, step: int, reason: str) -> None:
+        """Rank 0, after the save: STOPPED beside the stop file says this run saved and stopped early."""
+        if self.stop_file and dist.get_rank() == 0:
+            with open(os.path.join(os.path.dirname(self.stop_file), STOPPED_FILE), "w") as f:
+                f.write(f"step {step} ({reason})\n")
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
