@@ -14,10 +14,17 @@ KEYS = {"grpo": ["actor/kl_loss"], "gae": ["critic/vf_loss", "critic/grad_norm",
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_ep2_first_step_equals_ep1(tmp_path, estimator):
+def test_ep2_and_pp2_first_step_equals_ep1(tmp_path, estimator):
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "ep1", MOE + ESTIMATORS[estimator]))
     _torchrun(tmp_path / "ep2", 2, MOE + ESTIMATORS[estimator] + ["parallel.expert_model_parallel_size=2"])
-    one, two = read_scalars(tmp_path / "ep1"), read_scalars(tmp_path / "ep2")
+    one = read_scalars(tmp_path / "ep1")
+    if estimator == "grpo":  # PP 2: the routes are broadcast to the other stage with the rollout
+        _torchrun(tmp_path / "pp2", 2, MOE + ESTIMATORS[estimator] + ["parallel.pipeline_model_parallel_size=2"])
+        _same_first_step(one, read_scalars(tmp_path / "pp2"), estimator)
+    _same_first_step(one, read_scalars(tmp_path / "ep2"), estimator)
+
+
+def _same_first_step(one, two, estimator):
     assert 1.0 <= one["actor/moe_load_imbalance"][1] <= 2.0  # max over mean tokens per expert: 1 balanced, E/k = 2 at most
     assert 1.0 <= one["actor/moe_aux_loss"][1] <= 2.0  # 1 when balanced, E/k = 2 when two experts take everything
     # replay: the trainer's forward of the engine's tokens takes the engine's experts, so only rounding is left

@@ -223,7 +223,7 @@ class PPOTrainer:
         extra = trajectory_shapes(rows, R) if self.cfg.rollout.multi_turn.enable else {}
         if self.replay_routes:
             extra["routed_experts"] = ((rows, prompts.input_ids.shape[1] + R, self.roles.spec.num_layers,
-                                        self.roles.spec.moe_topk), torch.int16)
+                                        self.roles.spec.moe_topk), torch.int32)  # gloo has no int16
         rollout = mine if self.remote is not None else broadcast_rollout(mine, rows, R, self.groups, extra)
         batch = assemble(prompts.input_ids, prompts.attention_mask, rollout["responses"], rollout["response_mask"],
                          sampling.n, device, rollout.get("attention_mask"))
