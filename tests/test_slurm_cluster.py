@@ -5,6 +5,7 @@ sends it, the save, the requeue under the same job id and the resumed run, all r
 Needs a running cluster with a free node: scripts/slurm_local_cluster.sh starts one on this machine (.ci/run
 does before `make test`); without one the tests skip and say so. Each job runs 2 ranks of the tiny config; a
 reward that sleeps 0.1 s per response keeps every step at 0.4 s or more, so the signals land mid-run."""
+import functools
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from dist_helper import free_port
 from test_trainer import FAST, ROOT
 
 
+@functools.lru_cache(maxsize=None)
 def _cluster_problem() -> str:
     """Why no test job can run here ("" when a node takes jobs)."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
@@ -33,8 +35,7 @@ def _cluster_problem() -> str:
     return ""
 
 
-PROBLEM = _cluster_problem()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(PROBLEM), reason=PROBLEM)]
+pytestmark = pytest.mark.slow
 
 SLOW_REWARD = "import time\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n" \
               "    time.sleep(0.1)\n    return 0.5\n"
@@ -44,7 +45,9 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 @pytest.fixture
 def submit_dir(tmp_path):
     """A submit folder that looks like the repository to the template (its logs/, runs/ and checkpoints/
-    land here); jobs still queued or running at the end are cancelled."""
+    land here); jobs still queued or running at the end are cancelled. Skips, saying why, without a cluster."""
+    if _cluster_problem():
+        pytest.skip(_cluster_problem())
     for name in ("scripts", "configs", "slurm"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     (tmp_path / "logs").mkdir()
