@@ -18,22 +18,34 @@ MOE = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2"
        "model.norm_topk_prob=false"]
 
 
-def _sft_steps(root, ep, export):
-    import torch.distributed as dist
-
+def _sft_trainer(root, ep, init, seed):
+    """(trainer, groups, loader) of the MoE SFT run at EP `ep`, its random init (model seed from `seed`) in root/init."""
     from hybridrl.config.io import load_config
     from hybridrl.sft.trainer import SFTTrainer, sft_loader
-    from models_helper import mcore_logits, reinit_parallel
+    from models_helper import reinit_parallel
 
     cfg = load_config(CONFIG, MOE + [f"parallel.expert_model_parallel_size={ep}", f"sft.train_files=[{root}/d.parquet]",
                                      "sft.train_batch_size=8", "sft.micro_batch_size_per_gpu=4", "sft.max_length=96",
-                                     f"trainer.default_local_dir={root}/init", "trainer.logger=[console]"])
+                                     f"trainer.default_local_dir={root}/{init}", "trainer.logger=[console]",
+                                     f"model.seed={1000 + seed}"])
     tok = load_tokenizer(TINY_TOOLS_SPEC)
     groups = reinit_parallel(1, 1, ep)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     trainer = SFTTrainer(cfg, groups, tok, STEPS)
-    loader = iter(sft_loader(cfg, tok, groups))
-    out = {"steps": [(m["sft/loss"], m["sft/grad_norm"]) for m in (trainer.step(next(loader)) for _ in range(STEPS))]}
+    return trainer, groups, iter(sft_loader(cfg, tok, groups))
+
+
+def _loss_and_norm(metrics):
+    return metrics["sft/loss"], metrics["sft/grad_norm"]
+
+
+def _sft_steps(root, ep, export):
+    import torch.distributed as dist
+
+    from models_helper import mcore_logits
+
+    trainer, groups, loader = _sft_trainer(root, ep, "init", 0)
+    out = {"steps": [_loss_and_norm(trainer.step(next(loader))) for _ in range(STEPS)]}
     if export:
         trainer.save(f"{root}/hf")
         batch = next(loader)
@@ -63,24 +75,14 @@ def _save_then_step(root, ep, save_after):
     import torch.distributed as dist
 
     from hybridrl.checkpoint.sharded import save_role
-    from hybridrl.config.io import load_config
-    from hybridrl.sft.trainer import SFTTrainer, sft_loader
-    from models_helper import reinit_parallel
 
-    cfg = load_config(CONFIG, MOE + [f"parallel.expert_model_parallel_size={ep}", f"sft.train_files=[{root}/d.parquet]",
-                                     "sft.train_batch_size=8", "sft.micro_batch_size_per_gpu=4", "sft.max_length=96",
-                                     f"trainer.default_local_dir={root}/init", "trainer.logger=[console]"])
-    tok = load_tokenizer(TINY_TOOLS_SPEC)
-    groups = reinit_parallel(1, 1, ep)
-    torch.manual_seed(0)
-    trainer = SFTTrainer(cfg, groups, tok, STEPS)
-    loader = iter(sft_loader(cfg, tok, groups))
+    trainer, _, loader = _sft_trainer(root, ep, "init", 0)
     steps = []
     for i in range(STEPS):
         if i == save_after:
             os.makedirs(f"{root}/ckpt", exist_ok=True)
             save_role(trainer, f"{root}/ckpt", async_save=False)
-        steps.append((lambda m: (m["sft/loss"], m["sft/grad_norm"]))(trainer.step(next(loader))))
+        steps.append(_loss_and_norm(trainer.step(next(loader))))
     return steps if dist.get_rank() == 0 else None
 
 
@@ -88,22 +90,12 @@ def _load_then_step(root, ep, skip):
     import torch.distributed as dist
 
     from hybridrl.checkpoint.sharded import load_role
-    from hybridrl.config.io import load_config
-    from hybridrl.sft.trainer import SFTTrainer, sft_loader
-    from models_helper import reinit_parallel
 
-    cfg = load_config(CONFIG, MOE + [f"parallel.expert_model_parallel_size={ep}", f"sft.train_files=[{root}/d.parquet]",
-                                     "sft.train_batch_size=8", "sft.micro_batch_size_per_gpu=4", "sft.max_length=96",
-                                     f"trainer.default_local_dir={root}/init2", "trainer.logger=[console]"])
-    tok = load_tokenizer(TINY_TOOLS_SPEC)
-    groups = reinit_parallel(1, 1, ep)
-    torch.manual_seed(1)  # another init: everything must come from the checkpoint
-    trainer = SFTTrainer(cfg, groups, tok, STEPS)
+    trainer, _, loader = _sft_trainer(root, ep, "init2", 1)  # another init: everything must come from the checkpoint
     load_role(trainer, f"{root}/ckpt", "actor")
-    loader = iter(sft_loader(cfg, tok, groups))
     for _ in range(skip):
         next(loader)
-    steps = [(lambda m: (m["sft/loss"], m["sft/grad_norm"]))(trainer.step(next(loader))) for _ in range(STEPS - skip)]
+    steps = [_loss_and_norm(trainer.step(next(loader))) for _ in range(STEPS - skip)]
     return steps if dist.get_rank() == 0 else None
 
 
