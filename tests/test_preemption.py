@@ -174,3 +174,33 @@ def test_a_stop_file_older_than_the_newest_checkpoint_was_served(tmp_path):
     assert stop_file_served(str(stop), str(ckpt))
     os.utime(stop, (3000, 3000))
     assert not stop_file_served(str(stop), str(ckpt)) and not stop_file_served(str(stop), None)
+
+
+def _rank_pid(run, rank: int) -> int:
+    import psutil
+
+    for p in psutil.Process(run.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and "train_ppo.py" in " ".join(p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no rank {rank} found")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_is_named_by_the_others(tmp_path):
+    """kill -9 of rank 1 of a colocated torchrun run while it trains: rank 0 ends within seconds with
+    `rank 1 died during <phase>` (heartbeats in the job's store tell it which), and torchrun exits non-zero."""
+    run = _start(tmp_path, [], nproc=2)
+    try:
+        _wait_for(tmp_path / "out.log", r"step:2 ")
+        killed = time.monotonic()
+        os.kill(_rank_pid(run, 1), signal.SIGKILL)
+        code = run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    out = (tmp_path / "out.log").read_text()
+    assert code != 0 and time.monotonic() - killed < 60
+    assert re.search(r"^(\[rank0\]: )?error: rank 1 died during [a-z_]+ ", out, re.M), out[-3000:]  # a named phase

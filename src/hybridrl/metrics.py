@@ -32,7 +32,7 @@ class StageTimer:
         self.on_span = None
         """Called as on_span(name, start, end) (time.perf_counter seconds) when a stage ends: a timeline."""
         self.on_enter = self.on_leave = None
-        """Called as on_enter(name) / on_leave() around each stage: a hang watchdog."""
+        """Called as on_enter(name) / on_leave(failed) around each stage: a hang watchdog."""
 
     def _record_peak(self, names) -> None:
         """Fold the allocator's peak since its last reset into `names` (then reset it)."""
@@ -49,13 +49,16 @@ class StageTimer:
         self._open.append(name)
         if self.on_enter is not None:
             self.on_enter(name)
-        start = time.perf_counter()
+        start, failed = time.perf_counter(), False
         try:
             yield
+        except BaseException:
+            failed = True
+            raise
         finally:
             end = time.perf_counter()
             if self.on_leave is not None:
-                self.on_leave()
+                self.on_leave(failed)
             self.seconds[name] += end - start
             if self.on_span is not None:
                 self.on_span(name, start, end)

@@ -1,6 +1,7 @@
 """Set up a run and drive PPOTrainer over steps: resume, validation, checkpoints, profile, dry run."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -214,12 +215,39 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     if val_loader is not None and tc.val_before_train and start == 0:
         val_history.append((0, trainer.validate(val_loader)))
         writer.log(val_history[-1][1], 0, tuple(_val_core(val_history[-1][1])))
-    from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
-
     from hybridrl.trainer.watchdog import Watchdog
 
     watchdog = Watchdog(tc.hang_timeout_s, tc.log_dir, dist.get_rank())
     trainer.timer.on_enter, trainer.timer.on_leave = watchdog.enter, watchdog.leave
+    with _naming_dead_ranks(watchdog):
+        return _steps(cfg, le, trainer, layout, groups, train_loader, val_loader, ckpt, saver, watchdog, start,
+                      total, writer, remote, profile, val_history)
+
+
+@contextlib.contextmanager
+def _naming_dead_ranks(watchdog):
+    """A collective broken by a dead peer ends the run with `rank R died during <phase>` (PeerLostError)."""
+    from hybridrl.parallel.liveness import Heartbeats, is_peer_lost
+    from hybridrl.trainer.split import PeerLostError
+
+    beats = Heartbeats() if dist.get_world_size() > 1 else None
+    try:
+        yield
+    except Exception as err:
+        if beats is None or not is_peer_lost(err):
+            raise
+        phase, dead = watchdog.failed_in or watchdog.phase, beats.stopped()
+        who = f"rank {', '.join(map(str, dead))}" if dead else "a peer rank"
+        raise PeerLostError(f"{who} died during {phase} ({str(err).splitlines()[0][:160]}); the job stops: "
+                            "resume from the last checkpoint (trainer.resume_mode=auto)") from None
+
+
+def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, ckpt, saver, watchdog, start, total,
+           writer, remote, profile, val_history) -> int:
+    """The training steps from `start` + 1, checkpoints and stop requests included; the closing trends."""
+    from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
+
+    tc = cfg.trainer
     stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
     stops.clear_stop_file(ckpt.latest())
     code = 0
@@ -269,7 +297,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     if remote is not None:
         remote.stop()  # the rollout ranks' last spans come back with their goodbye
     if layout.critic_world_size:
-        roles.critic.stop()
+        trainer.roles.critic.stop()
     if tc.timeline_dir:
         _write_timeline(trainer, tc.timeline_dir)
     _print_trend("mean reward", rewards)

@@ -22,6 +22,8 @@ class Watchdog:
     def __init__(self, timeout_s: float, log_dir: str, rank: int):
         self.timeout_s, self.log_dir, self.rank = timeout_s, log_dir, rank
         self.phase, self.since = "start-up", time.monotonic()
+        self.failed_in: str | None = None
+        """The innermost phase an exception left, since the step began (the phase a dead peer broke)."""
         self._stack: list = []
         if timeout_s > 0:
             threading.Thread(target=self._watch, name="hybridrl-watchdog", daemon=True).start()
@@ -30,11 +32,14 @@ class Watchdog:
         self._stack.append(self.phase)
         self.phase, self.since = phase, time.monotonic()
 
-    def leave(self) -> None:
+    def leave(self, failed: bool = False) -> None:
+        if failed and self.failed_in is None:  # unwinding starts in the innermost phase
+            self.failed_in = self.phase
         self.phase, self.since = (self._stack.pop() if self._stack else "between steps"), time.monotonic()
 
     def step(self, step: int) -> None:
         self._stack.clear()
+        self.failed_in = None
         self.phase, self.since = f"step {step}", time.monotonic()
 
     def _watch(self) -> None:

@@ -1,0 +1,59 @@
+"""Which rank died: heartbeats in the job's TCPStore, read after a collective broke.
+
+A collective whose peer process died fails on the survivors (gloo: the connection closed at once; nccl:
+at the process-group timeout, `trainer.dist_timeout_s`) with an error that names an address, not a
+rank. Every rank stamps `heartbeat/<rank>` in the default store once a second from a daemon thread; after
+such a failure a survivor reads the stamps twice, `probe_s` apart, and the ranks whose stamp did not move
+are the dead ones. The store lives in the launcher's agent (torchrun) or in rank 0: when it is gone the
+answer is "unknown" rather than a guess.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+             "Watchdog caught collective operation timeout", "Socket Timeout")
+"""What torch.distributed's backends say when the other side of a collective is gone."""
+
+
+def is_peer_lost(err: BaseException) -> bool:
+    return isinstance(err, (RuntimeError, dist.DistError)) and any(s in str(err) for s in PEER_LOST)
+
+
+class Heartbeats:
+    def __init__(self, period_s: float = 1.0):
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.period_s, self.count = period_s, 0
+        threading.Thread(target=self._beat, name="hybridrl-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            self.count += 1
+            try:
+                self.store.set(f"heartbeat/{self.rank}", str(self.count))
+            except Exception:  # the store is gone: the job is ending anyway
+                return
+            time.sleep(self.period_s)
+
+    def _stamps(self) -> dict:
+        out = {}
+        for r in range(self.world):
+            if r != self.rank:
+                try:
+                    out[r] = self.store.get(f"heartbeat/{r}")
+                except Exception:
+                    out[r] = None
+        return out
+
+    def stopped(self, probe_s: float = 3.0) -> list[int] | None:
+        """Ranks whose heartbeat stood still for `probe_s` (None: the store cannot be read)."""
+        first = self._stamps()
+        if all(v is None for v in first.values()) and first:
+            return None
+        time.sleep(probe_s)
+        second = self._stamps()
+        return sorted(r for r in first if first[r] is not None and first[r] == second[r] or second[r] is None)
