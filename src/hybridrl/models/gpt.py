@@ -32,15 +32,22 @@ def default_layer_spec() -> str:
 
 
 def transformer_layer_spec(kind: str, qk_norm: bool = False, num_experts: int = 0):
-    """megatron's layer spec; MoE layers use SequentialMLP experts locally, grouped GEMM with TE."""
+    """megatron's layer spec; MoE layers use SequentialMLP experts locally, grouped GEMM with TE.
+    The local spec's core attention is `SDPAttention` (torch's fused attention kernels) instead of
+    megatron's unfused DotProductAttention; the rest of the layer, and every weight name, is megatron's."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from hybridrl.models.sdpa_attention import SDPAttention
 
     experts = num_experts or None
     if kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=qk_norm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention.submodules
+    spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
+    return spec
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,172 @@
+"""models/sdpa_attention: the local spec's core attention equals megatron's unfused DotProductAttention.
+
+Each check builds one model, runs it, swaps every layer's core attention for megatron's own (no
+weights move: core attention has none) and runs it again: logits at real tokens and every gradient
+agree in fp32 at TP 1 and 2, with GQA, left- and right-padded rows, no mask (causal), and a KV-cache
+decode step; fully masked (padding) rows stay finite.
+"""
+import pytest
+import torch
+
+from dist_helper import run_distributed
+from models_helper import ragged_batch
+
+from hybridrl.models.gpt import GPTSpec, build_gpt, transformer_layer_spec
+
+SPEC = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+               vocab_size=211, max_position_embeddings=64, qkv_bias=True)
+MOE = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=1, intermediate_size=64,
+              vocab_size=101, qk_norm=True, num_experts=4, moe_topk=2, moe_intermediate_size=16)
+
+
+def _unfused(model):
+    """Every layer's core attention replaced by megatron's DotProductAttention (the same weights)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        attn.core_attention = DotProductAttention(config=attn.config, layer_number=attn.layer_number,
+                                                  attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                                  pg_collection=attn.pg_collection)
+    return model
+
+
+def _batch(vocab_size):
+    """Left-padded prompts (models_helper.ragged_batch) with one row right-padded as well."""
+    batch = ragged_batch(vocab_size)
+    batch["attention_mask"][2, -2:] = 0
+    return batch
+
+
+def _run(model, ids, mask):
+    """Logits and parameter gradients of a loss over the real tokens (pads carry no gradient)."""
+    from hybridrl.models.forward import causal_padding_mask
+    from hybridrl.parallel.cpu_compat import cuda_to_cpu, without_cuda_mode
+
+    model.zero_grad(set_to_none=True)
+    b, s = ids.shape
+    pos = torch.arange(s).expand(b, s)
+    with cuda_to_cpu(), without_cuda_mode():
+        logits = model(ids, pos, causal_padding_mask(mask, s))
+    real = torch.ones(b, s) if mask is None else mask.float()
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * w * real[..., None]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _compare(tp, spec, padded):
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    init_model_parallel(tp, 1)
+    model = build_gpt(spec, tp, 1, 0)
+    batch = _batch(spec.vocab_size)
+    mask = batch["attention_mask"] if padded else None
+    fused, fused_grads = _run(model, batch["input_ids"], mask)
+    ref, ref_grads = _run(_unfused(model), batch["input_ids"], mask)
+    real = torch.ones(fused.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+    assert torch.isfinite(fused).all()
+    torch.testing.assert_close(fused[real], ref[real], atol=1e-5, rtol=0)
+    assert fused_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    return len(ref_grads)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_and_grads_equal_the_unfused_attention(tp):
+    for padded in (True, False):
+        assert all(run_distributed(_compare, tp, tp, SPEC, padded))
+
+
+@pytest.mark.distributed
+def test_moe_with_qk_norm_and_one_kv_head_equals_the_unfused_attention():
+    assert run_distributed(_compare, 1, 1, MOE, True)[0]
+
+
+def _decode_step():
+    """One query per row against a cache of 7 keys (megatron's static inference: no mask type, sq 1)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hybridrl.models.gpt import transformer_config
+    from hybridrl.models.sdpa_attention import SDPAttention
+    from hybridrl.parallel.cpu_compat import cuda_to_cpu
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    init_model_parallel(1, 1)
+    config = transformer_config(SPEC, 1, 1)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 7, 3, 2, 16, generator=g)
+    pads = torch.zeros(3, 1, 1, 7, dtype=torch.bool)
+    pads[1, ..., :2] = True
+    out = []
+    for cls in (SDPAttention, DotProductAttention):
+        attn = cls(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        with cuda_to_cpu():
+            out.append([attn(q, k, v, m, attn_mask_type=AttnMaskType.no_mask) for m in (None, pads)])
+    return out
+
+
+@pytest.mark.distributed
+def test_kv_cache_decode_step_equals_the_unfused_attention():
+    fused, ref = run_distributed(_decode_step, 1)[0]
+    for a, b in zip(fused, ref):
+        assert a.shape == (1, 3, 64)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_local_spec_is_megatrons_with_sdpa_core_attention_for_dense_and_moe_layers():
+    import dataclasses
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from hybridrl.models.sdpa_attention import SDPAttention
+
+    for experts in (0, 4):
+        for qk_norm in (False, True):
+            ours = transformer_layer_spec("local", qk_norm, experts).submodules
+            theirs = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts or None, qk_layernorm=qk_norm,
+                                                              normalization="RMSNorm").submodules
+            assert ours.self_attention.submodules.core_attention is SDPAttention
+            unchanged = dataclasses.replace(ours.self_attention.submodules,
+                                            core_attention=theirs.self_attention.submodules.core_attention)
+            assert unchanged == theirs.self_attention.submodules
+            assert dataclasses.replace(ours, self_attention=theirs.self_attention) == theirs
+
+
+def _state_names():
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from hybridrl.models import gpt
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    init_model_parallel(1, 1)
+    ours = build_gpt(MOE, 1, 1, 0).state_dict().keys()
+    gpt.transformer_layer_spec = lambda kind, qk_norm, experts: gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")  # megatron's own (a spawned rank)
+    return sorted(ours), sorted(build_gpt(MOE, 1, 1, 0).state_dict().keys())
+
+
+@pytest.mark.distributed
+def test_state_dict_names_are_megatrons():
+    ours, megatron = run_distributed(_state_names, 1)[0]
+    assert ours == megatron
+
+
+def test_one_additive_mask_serves_every_layer_and_fully_masked_rows_see_themselves():
+    from hybridrl.models.sdpa_attention import additive_mask
+
+    mask = torch.tensor([[True, True, True], [True, False, True], [False, False, True]])[None, None]
+    first = additive_mask(mask, torch.float32)
+    assert additive_mask(mask, torch.float32) is first  # the next layer's call
+    assert additive_mask(mask, torch.bfloat16) is not first
+    expect = torch.tensor([[0, 1, 1], [1, 0, 1], [0, 0, 1]], dtype=torch.bool)  # row 0 keeps its own key
+    assert torch.equal(first[0, 0] == float("-inf"), expect)
+    mask[0, 0, 2, 0] = True  # changed in place: converted again
+    assert additive_mask(mask, torch.float32)[0, 0, 2, 0] == float("-inf")
+    decode = additive_mask(torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.float32)
+    assert torch.equal(decode[0, 0, 0] == 0, torch.tensor([False, False, False, True]))
