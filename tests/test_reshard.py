@@ -14,6 +14,8 @@ from dist_helper import run_distributed
 
 BUCKET_MB = 40 / 1024  # 40 KiB: several tensors share a bucket; the (vocab-padded) embedding is alone
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9]]
+BENCH_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)  # benchlib.BENCH_MODEL
 
 
 def _faulty_engine_class():
@@ -206,7 +208,27 @@ def _direct_handoff(folder) -> dict:
     return out
 
 
-def _handoffs(folder, tied_folder):
+def _bench_shape_peak(folder) -> dict:
+    """benchmarks/bench_reshard.py's small model at training TP 2 (PP 1) into an engine at rollout TP 1,
+    2 MiB buckets: the bucket buffer (2 MiB) and the reorder scratch (fc1, 1 MiB, also the largest
+    tensor) fill "one bucket + largest tensor" exactly, so the check's own bytes decide the bound."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.placement import reshard
+    from hybridrl.models.hf_checkpoint import model_from_hf
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.rollout.native import NativeEngine
+
+    ps.destroy_model_parallel()
+    groups = init_model_parallel(2, 1)
+    model, spec = model_from_hf(folder, groups)
+    engine = NativeEngine(spec, 1)
+    return {"spec": spec, **{verify: reshard.update_engine_weights(engine, model, spec, groups, 2, verify=verify,
+                                                                   measure_memory=True)
+                             for verify in ("fingerprint", "exact", "off")}}
+
+
+def _handoffs(folder, tied_folder, bench_folder):
     from hybridrl.placement import reshard
     from hybridrl.models.hf_checkpoint import SafetensorsReader, mcore_to_hf_stream, model_from_hf
     from hybridrl.parallel.distributed import init_model_parallel
@@ -239,6 +261,7 @@ def _handoffs(folder, tied_folder):
     res["tied_bit_exact"] = all(torch.equal(tied_engine.params[g], t) for g, t in tied_expected.items())
     res["spec"] = spec
     res["direct"] = _direct_handoff(folder)
+    res["bench_shape"] = _bench_shape_peak(bench_folder)
     return res
 
 
@@ -249,7 +272,8 @@ def runs(tmp_path_factory):
     folder = random_hf_model_folder(str(tmp_path_factory.mktemp("qwen2")), "qwen2", seed=5, num_hidden_layers=4)
     tied = random_hf_model_folder(str(tmp_path_factory.mktemp("tied")), "qwen2", seed=6, num_hidden_layers=2,
                                   tie_word_embeddings=True)
-    return run_distributed(_handoffs, 4, folder, tied)
+    bench = random_hf_model_folder(str(tmp_path_factory.mktemp("bench")), "qwen2", seed=0, **BENCH_SHAPE)
+    return run_distributed(_handoffs, 4, folder, tied, bench)
 
 
 @pytest.mark.distributed
@@ -296,8 +320,41 @@ def test_peak_memory_within_one_bucket_plus_largest_tensor(runs, tp):
     for res in runs:
         report = res[f"report_tp{tp}"]
         assert report.largest_tensor_bytes == largest
-        assert 0 < report.peak_extra_bytes <= max(cap, report.max_bucket_bytes) + largest, report
+        assert 0 < report.peak_extra_bytes <= report.peak_bound_bytes, report
+        assert report.peak_bound_bytes == max(cap, report.max_bucket_bytes) + largest + report.verify_bytes
         assert report.max_bucket_bytes <= max(cap, largest)
+
+
+def _fingerprint_allowance(spec) -> int:
+    """By hand: 128 bytes per row and column of the tensor with most of them, 4 KiB, 48 per HF tensor."""
+    from hybridrl.models import hf_convert as hc
+
+    shapes = [hc.mcore_full_shape(g, spec, 1) for g in hc.hf_to_mcore_name_map(spec)]
+    most = max((s[0] if len(s) > 1 else 1) + s[-1] for s in shapes)
+    return 128 * most + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
+
+
+@pytest.mark.distributed
+def test_peak_memory_bound_holds_where_bucket_and_scratch_fill_it(runs):
+    """The bench model at TP 2 with 2 MiB buckets (bench_reshard.py's small cell): a bucket of 2 MiB and
+    the fc1 scratch of 1 MiB are exactly "one bucket + largest tensor"; the fingerprints' reductions and
+    digests come on top (3,157,176 > 3,145,728 bytes measured when the bound left them out). The bound
+    now counts them (`reshard.verify_bytes`); exact adds a slice copy and a host chunk; off adds nothing."""
+    from hybridrl.models import hf_convert as hc
+
+    for res in runs:
+        reports = dict(res["bench_shape"])
+        spec = reports.pop("spec")
+        fp = reports["fingerprint"]
+        assert (fp.bucket_bytes, fp.largest_tensor_bytes, fp.num_buckets) == (2 * 2**20, 2**20, 7), fp
+        assert fp.max_bucket_bytes < fp.bucket_bytes  # the buffer is bucket_bytes, the fullest bucket less
+        assert fp.peak_extra_bytes > fp.bucket_bytes + fp.largest_tensor_bytes, "bucket + scratch + the check"
+        for verify, report in reports.items():
+            assert 0 < report.peak_extra_bytes <= report.peak_bound_bytes, (verify, report)
+        assert hc.mcore_full_shape("decoder.layers.0.mlp.linear_fc1.weight", spec) == (1024, 256)
+        assert fp.verify_bytes == _fingerprint_allowance(spec) == 128 * 1280 + 4096 + 48 * 50
+        assert reports["exact"].verify_bytes == 2 * 2**20 and reports["off"].verify_bytes == 0
+        assert reports["off"].peak_extra_bytes <= fp.bucket_bytes + fp.largest_tensor_bytes
 
 
 @pytest.mark.distributed

@@ -3,7 +3,7 @@
 `iter_hf_weights` walks the megatron tensors in HF order; each is broadcast from its pipeline stage,
 gathered over training TP, un-fused to HF names (`hf_convert`) and added to a bucket; buckets are
 yielded when the next tensor would overflow them, so at most one bucket plus the working set of one
-tensor is alive (a reused bucket buffer and one scratch tensor). `update_engine_weights` streams the
+tensor is alive (a reused bucket buffer and one scratch tensor), and the check's digests and reductions. `update_engine_weights` streams the
 buckets into `engine.load_weights`, or, where rollout TP equals training TP at PP 1, the shards
 straight into `engine.load_shards`; the engine reads back digests of the slices it stored, which
 are checked against the sender's digests of the same slices (the verified handoff).
@@ -292,6 +292,8 @@ class HandoffReport:
     """rollout.verify_weights: fingerprint, exact or off."""
     direct: bool
     """Shards went straight into the engine's parameters (training TP == rollout TP, PP 1)."""
+    verify_bytes: int = 0
+    """Most the check allocates beside the bucket and the scratch (`verify_bytes`); 0 with verify off."""
 
     @property
     def verified(self) -> bool:
@@ -300,14 +302,36 @@ class HandoffReport:
 
     @property
     def peak_bound_bytes(self) -> int:
-        """What the stream promises: one (largest) bucket plus the working set of the largest tensor."""
-        return max(self.bucket_bytes, self.max_bucket_bytes) + self.largest_tensor_bytes
+        """What the stream promises: one (largest) bucket, the working set of the largest tensor and
+        what the check allocates (the bucket and the scratch can fill the first two exactly)."""
+        return max(self.bucket_bytes, self.max_bucket_bytes) + self.largest_tensor_bytes + self.verify_bytes
 
     def metrics(self, prefix: str = "perf/weight_sync") -> dict:
         out = {f"{prefix}_s": self.seconds, f"{prefix}_bytes": self.total_bytes, f"{prefix}_buckets": self.num_buckets}
         if self.peak_extra_bytes is not None:
             out[f"{prefix}_peak_extra_bytes"] = self.peak_extra_bytes
         return out
+
+
+def verify_bytes(spec: GPTSpec, tp: int, dtype: torch.dtype, mode: str) -> int:
+    """An upper bound of what checking the handoff allocates beside the bucket and the scratch.
+
+    fingerprint: one tensor is fingerprinted at a time, at each end; for r rows and c columns (leading
+    dims flattened) its word sums (<= 8 bytes each), their int64 copies and weighted products (16),
+    the position-weight tables (`fingerprint._weights`, <= 16 per row and column, grown once per
+    process) and, while one grows, up to four int64 temporaries of twice its length (<= 64 per row or
+    column): <= 104 bytes per row and column, 128 counted, + 4 KiB of scalars; and per HF tensor
+    the sender's and the engine's 0-d digests, their stacked copies and the comparison (<= 48
+    bytes). exact: one contiguous copy of a slice and one host chunk of <= 2^24 elements.
+    """
+    if mode == "off":
+        return 0
+    shapes = [hc.mcore_full_shape(g, spec, tp) for g in hc.hf_to_mcore_name_map(spec)]
+    if mode == "exact":
+        largest = max(torch.Size(s).numel() for s in shapes) * dtype.itemsize
+        return largest + min(largest, 2**24 * dtype.itemsize)
+    rows_cols = max(torch.Size(s[:-1]).numel() + s[-1] for s in shapes)
+    return 128 * rows_cols + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
 
 
 def _check(names: list, ours: list, received: dict, mode: str) -> None:
@@ -415,4 +439,5 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     largest = max(_full_bytes(g, spec, groups.tp, dtype) for g in hc.hf_to_mcore_name_map(spec))
     cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if cuda and measure_memory else 0
     return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest,
-                         meter.peak if measure_memory else None, cuda_peak, seconds, verify, direct)
+                         meter.peak if measure_memory else None, cuda_peak, seconds, verify, direct,
+                         verify_bytes(spec, groups.tp, dtype, verify))
