@@ -5,14 +5,18 @@ Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/q
 1. Actor forward + backward through megatron-core's schedule (the trainer's path, log-prob loss), at
    the 0.5B and 1.5B shapes: MFU = 6 * params * tokens / seconds / 989e12 (H200 dense bf16 peak;
    attention FLOPs not counted, so this understates it at long sequences). Target: >= 35% at 1.5B.
+   Each row names the layer spec and core attention that ran: Transformer Engine's where it is
+   installed, else the local spec with SDPAttention (torch's fused attention kernels).
 2. NativeEngine rollout tokens/s at batch 64 (128 prompt + 128 new tokens, no eos), greedy and
    sampled, against transformers `generate` on the same weights in the same process. Target: >= 3x.
-3. `reshard.update_engine_weights` of the 0.5B actor into a NativeEngine on the same GPU (64 MiB
-   buckets, with and without checksum verification) against a device-to-device copy of the same
-   bytes, timed in alternation. Target: handoff >= 50% of memcpy bandwidth.
+3. `reshard.update_engine_weights` of the 0.5B actor into a NativeEngine on the same GPU, on both of
+   its paths: the direct one (the engine takes the actor's shards as they are, as at equal TP) and the
+   bucketed one (HF tensors in 64 MiB buckets, as when the layouts differ; forced here), each with and
+   without fingerprint verification, against a device-to-device copy of the same bytes, timed in
+   alternation. Target: handoff >= 50% of memcpy bandwidth.
 4. With `--memory-from TB_DIR -- OVERRIDES`: the peak allocated memory of each trainer stage of a run
    (its TensorBoard `perf/max_memory_allocated_gb/<stage>`, median over steps 2..N; gpu_check.sh
-   passes its 30-step GRPO run) against the planner's phase for the same config (`planner.estimate`
+   passes its 10-step GRPO run) against the planner's phase for the same config (`planner.estimate`
    at world size 1, less the planner's fixed runtime overhead, which torch's allocator does not see).
    Target: every phase within 10%. Measured on a real run because the planner's phases are those of
    a training step (optimizer state, offload, the rollout engine), which a bare forward lacks. The
@@ -106,8 +110,10 @@ def actor_mfu(model, spec) -> dict:
     params = sum(p.numel() for p in model.parameters())
     tokens = micro * seq
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
+    attention = type(model.decoder.layers[0].self_attention.core_attention).__name__
     return {"params": params, "tokens": tokens, "seconds": seconds, "size": f"{micro}x{seq}",
-            "mfu": 6 * params * tokens / seconds / PEAK_BF16, "peak_gib": peak, "layer_spec": spec.layer_spec}
+            "mfu": 6 * params * tokens / seconds / PEAK_BF16, "peak_gib": peak,
+            "layer_spec": f"{spec.layer_spec} layer spec, {attention}"}
 
 
 def hf_peer(weights: dict, spec):
@@ -150,24 +156,53 @@ def rollout(engine, hf, spec) -> dict:
     return out
 
 
+PATHS = ("direct", "bucketed")
+"""The handoff's two paths: the engine takes the actor's shards as they are (equal TP: the trainer's
+path here), or HF tensors gathered into 64 MiB buckets (any other layout: TP or PP differ, PP > 1)."""
+
+
+def _handoff_path(path: str):
+    """The bucketed path forced where the layouts would allow the direct one."""
+    import contextlib
+    from unittest import mock
+
+    from hybridrl.placement import reshard
+
+    return contextlib.nullcontext() if path == "direct" else mock.patch.object(reshard, "takes_shards",
+                                                                               lambda *a: False)
+
+
 def handoff(engine, model, spec, groups) -> dict:
-    """Seconds per handoff (median, verified and not) and per device memcpy of the same bytes."""
+    """Seconds per handoff on each path (median; verified and not) and per device memcpy of the direct
+    path's bytes (the bucketed one sends the HF tensors: no vocab padding)."""
     import torch
 
     from hybridrl.placement.reshard import update_engine_weights
 
-    # warm-up, the byte count and the peak memory (metered here only: metering slows a handoff down)
-    report = update_engine_weights(engine, model, spec, groups, 64, measure_memory=True)
-    src = torch.ones(report.total_bytes, dtype=torch.uint8, device=DEVICE)
+    out = {}
+    for path in PATHS:
+        with _handoff_path(path):
+            # warm-up, the byte count and the peak memory (metered here only: metering slows a handoff down)
+            report = update_engine_weights(engine, model, spec, groups, 64, measure_memory=True)
+            if report.direct != (path == "direct"):
+                raise RuntimeError(f"the {path} handoff took the {'direct' if report.direct else 'bucketed'} path")
+            out[path] = {"bytes": report.total_bytes, "peak_extra_gib": report.peak_cuda_extra_bytes / 2**30,
+                         "buckets": report.num_buckets}
+    src = torch.ones(out["direct"]["bytes"], dtype=torch.uint8, device=DEVICE)
     memcpy = lambda: torch.empty_like(src).copy_(src)
     memcpy()
-    times = {"verified": [], "unverified": [], "memcpy": []}
+    times = {(path, verify): [] for path in PATHS for verify in ("fingerprint", "off")}
+    times["memcpy"] = []
     for _ in range(SIZE["reps"]):
-        for key, verify in (("verified", "fingerprint"), ("unverified", "off")):
-            times[key].append(_sync_time(lambda: update_engine_weights(engine, model, spec, groups, 64, verify=verify)))
+        for path, verify in [k for k in times if k != "memcpy"]:
+            with _handoff_path(path):
+                times[path, verify].append(_sync_time(
+                    lambda: update_engine_weights(engine, model, spec, groups, 64, verify=verify)))
             times["memcpy"].append(_sync_time(memcpy))
-    return {"bytes": report.total_bytes, **{k: bl.median(v) for k, v in times.items()},
-            "peak_extra_gib": report.peak_cuda_extra_bytes / 2**30}
+    for path, verify in [k for k in times if k != "memcpy"]:
+        out[path]["verified" if verify == "fingerprint" else "unverified"] = bl.median(times[path, verify])
+    out["memcpy"], out["memcpy_bytes"] = bl.median(times["memcpy"]), src.numel()
+    return out
 
 
 def memory_vs_planner(tb_dir: str, overrides: list) -> list:
@@ -194,18 +229,22 @@ def report(mfus: dict, roll: dict, hand: dict, memory: list, failed: dict) -> st
     """The table of whatever has been measured so far, a row per failed part."""
     rows = []
     for name, m in mfus.items():
-        rows.append([f"actor fwd+bwd, {name} ({m['layer_spec']} layer spec)", f"{m['tokens']} tokens ({m['size']})",
+        rows.append([f"actor fwd+bwd, {name} ({m['layer_spec']})", f"{m['tokens']} tokens ({m['size']})",
                      f"{m['seconds'] * 1000:.1f} ms",
                      f"**MFU {100 * m['mfu']:.1f}%** ({m['params'] / 1e6:.0f}M params, peak {m['peak_gib']:.1f} GiB)"])
     for mode, r in roll.items():
         rows.append([f"rollout {mode}, 0.5B", f"batch {SIZE['batch']}, {SIZE['prompt']}+{SIZE['new']} tokens",
                      f"native {r['native']:,.0f} tok/s",
                      f"HF {r['hf']:,.0f} tok/s: **native / HF {r['native'] / r['hf']:.2f}x**"])
-    for kind in ("verified", "unverified") if hand else ():
-        gb = hand["bytes"] / 1e9
-        rows.append([f"handoff {kind}, 0.5B -> native engine", f"{gb:.2f} GB, 64 MiB buckets",
-                     f"{hand[kind] * 1000:.0f} ms ({gb / hand[kind]:.1f} GB/s)",
-                     f"memcpy {hand['memcpy'] * 1000:.1f} ms: **{100 * hand['memcpy'] / hand[kind]:.1f}% of memcpy**"])
+    for path in PATHS if hand else ():  # shards (padded vocab) or HF tensors: a few bytes apart, so bandwidths
+        h = hand[path]
+        gb, memcpy_gbps = h["bytes"] / 1e9, hand["memcpy_bytes"] / 1e9 / hand["memcpy"]
+        for kind in ("verified", "unverified"):
+            rows.append([f"handoff {kind}, {path} path, 0.5B -> native engine",
+                         f"{gb:.2f} GB" + (f", {h['buckets']} buckets of 64 MiB" if path == "bucketed" else ""),
+                         f"{h[kind] * 1000:.0f} ms ({gb / h[kind]:.1f} GB/s)",
+                         f"memcpy {memcpy_gbps:.1f} GB/s: **{100 * gb / h[kind] / memcpy_gbps:.1f}% of memcpy** "
+                         f"(peak extra {h['peak_extra_gib']:.2f} GiB)"])
     for stage, phase, measured, planned in memory:
         result = (f"**measured / planned {measured / planned:.2f}x**" if measured is not None
                   else "not measured (no CUDA memory metrics in the run)")

@@ -93,7 +93,7 @@ def _gpu_line() -> str:
 def section(args) -> int:
     parts = ["## GPU (one H200): `benchmarks/gpu_check.sh`", ""]
     for name, title in (("summary.md", "Stages"), ("tests.md", "pytest -m cuda"), ("bench.md", "bench_gpu.py"),
-                        ("grpo.md", "30-step GRPO"), ("resume.md", "Save + resume")):
+                        ("grpo.md", "GRPO run (10 steps)"), ("resume.md", "Save + resume")):
         path = os.path.join(args.dir, name)
         if os.path.isfile(path):
             parts += [f"**{title}**", "", open(path).read().rstrip(), ""]

@@ -6,6 +6,7 @@ test_optim_fp16.py and the pure name-map tests of test_hf_convert.py). Covered h
 step with megatron's bf16 optimizer, the distributed optimizer and offload, every batch tensor on
 the GPU and the per-stage memory metrics; fp16 learning through megatron's dynamic loss scaler,
 overflow steps skipped; the native engine's log-probs against a transformers forward on the GPU;
+the local spec's SDPA attention against megatron's unfused attention on the GPU's kernels;
 with Transformer Engine installed, the TE layer spec against the local spec on the same weights.
 """
 import importlib.util
@@ -154,6 +155,18 @@ def test_native_engine_log_probs_and_greedy_tokens_match_transformers(tmp_path):
     worst_lp, worst_margin, device = run_distributed(_native_vs_transformers, 1, folder)[0]
     assert device.startswith("cuda")
     assert worst_lp < 2e-3 and worst_margin < 1e-3, (worst_lp, worst_margin)
+
+
+# ---- the local spec's SDPA attention on the GPU's kernels -------------------------------------------
+
+@pytest.mark.parametrize("dtype,padded,atol", [("float32", True, 1e-4), ("float32", False, 1e-4),
+                                               ("bfloat16", True, 5e-2)])
+def test_sdpa_attention_equals_the_unfused_attention(dtype, padded, atol):
+    """Padded rows take a masked kernel (memory-efficient; fully masked pad rows must stay finite),
+    causal ones flash where the dtype allows (test_sdpa_attention.py: the same on CPU, at 1e-5)."""
+    from test_sdpa_attention import SPEC, _compare
+
+    assert run_distributed(_compare, 1, 1, SPEC, padded, dtype, atol)[0]
 
 
 # ---- Transformer Engine layer spec ------------------------------------------------------------------
