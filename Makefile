@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 NPROC ?= 1
 
-.PHONY: venv demo demo-tools demo-moe test test-fast clean
+.PHONY: venv demo demo-tools demo-moe test test-fast verl-reference clean
 
 $(STAMP): requirements.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,19 @@ test: $(TEST_STAMP)
 
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# the reference data of tests/test_verl_parity.py, from verl 0.9.1 itself in a side venv (never .venv)
+VERL_VENV ?= .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed-stamp
+$(VERL_STAMP): requirements-verl.txt
+	@test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q -r requirements-verl.txt
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps verl==0.9.1
+	@touch $(VERL_STAMP)
+
+verl-reference: $(VERL_STAMP)
+	$(VERL_VENV)/bin/python tests/verl_reference/make_reference.py
+	$(VERL_VENV)/bin/python tests/verl_reference/make_gae_holes.py
 
 clean:
 	rm -rf outputs .pytest_cache

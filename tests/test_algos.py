@@ -209,13 +209,14 @@ def test_reinforce_pp_by_hand():
     close(adv, [[w[0], w[1], w[2]], [w[3], w[4], 0.0]])
 
 
-def test_reinforce_pp_resets_at_masked_token():
-    r = t([[1.0, 5.0, 2.0]])
+def test_reinforce_pp_carries_the_return_through_a_masked_token():
+    r = t([[1.0, 5.0, 4.0]])
     m = t([[1, 0, 1]])
-    adv, ret = compute_reinforce_pp_advantages(r, m, gamma=1.0)
-    # masked token stores 5+2 but passes 0 on (verl's convention)
-    close(ret, [[1.0, 7.0, 2.0]])
-    w = whiten_ref([1.0, 2.0])
+    adv, ret = compute_reinforce_pp_advantages(r, m, gamma=0.5)
+    # verl 0.9.1: a masked token (tool output) stores 0, ignores its reward and passes the running
+    # return on as it is: 4, then 1 + 0.5 * 4 (the reward after the hole reaches the turn before it)
+    close(ret, [[3.0, 0.0, 4.0]])
+    w = whiten_ref([3.0, 4.0])
     close(adv, [[w[0], 0.0, w[1]]])
 
 

@@ -1,7 +1,9 @@
 """hybridrl against verl 0.9.1's own outputs (tests/verl_reference/verl_0_9_1.json, written by
-tests/verl_reference/make_reference.py in a side venv with verl installed): loss aggregation, the
-vanilla and GSPO policy losses and their gradients, GRPO / Dr. GRPO advantages, GSM8k scoring,
-DAPO's overlong penalty and the validation metrics (mean@N, best@N, worst@N, maj@N)."""
+tests/verl_reference/make_reference.py in a side venv with verl installed, `make verl-reference`): loss
+aggregation, the vanilla and GSPO policy losses and their gradients, GRPO / Dr. GRPO, RLOO, REINFORCE++
+(over multi-turn masks with holes), REINFORCE++-baseline and ReMax advantages, the KL penalties past their
+clamps, the clipped value loss, the adaptive KL controller and the KL-in-reward step, GSM8k scoring, DAPO's
+overlong penalty and the validation metrics (mean@N, best@N, worst@N, maj@N)."""
 import json
 import math
 import os
@@ -52,6 +54,73 @@ def test_grpo_and_dr_grpo_advantages_match_verl(case):
     adv, _ = algos.compute_grpo_advantages(f32(case["scores"]), f32(case["mask"]), case["index"],
                                            norm_by_std=case["norm_by_std"])
     torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", REF["outcome_advantages"], ids=lambda c: c["estimator"])
+def test_rloo_and_reinforce_pp_baseline_advantages_match_verl(case):
+    adv, _ = algos.compute_advantages(case["estimator"], token_rewards=f32(case["token_level_rewards"]),
+                                      response_mask=f32(case["mask"]), group_index=case["index"])
+    torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", REF["reinforce_plus_plus"], ids=lambda c: f"gamma{c['gamma']}")
+def test_reinforce_pp_over_masks_with_holes_matches_verl(case):
+    """verl 0.9.1 carries the running return through masked tokens (tool output) and stores 0 there."""
+    mask = f32(case["mask"])
+    adv, returns = algos.compute_advantages("reinforce_plus_plus", token_rewards=f32(case["token_level_rewards"]),
+                                            response_mask=mask, gamma=case["gamma"])
+    torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(returns, f32(case["returns"]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", REF["remax"], ids=lambda c: f"b{len(c['mask'])}")
+def test_remax_advantages_match_verl(case):
+    adv, returns = algos.compute_advantages("remax", token_rewards=f32(case["token_level_rewards"]),
+                                            response_mask=f32(case["mask"]),
+                                            baseline_scores=f32(case["reward_baselines"]))
+    torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(returns, f32(case["returns"]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", REF["kl_penalty"], ids=lambda c: c["kind"])
+def test_kl_penalty_and_its_clamps_match_verl(case):
+    kl = algos.kl_penalty(f32(case["logprob"]), f32(case["ref_logprob"]), case["kind"])
+    torch.testing.assert_close(kl, f32(case["kl"]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", REF["value_loss"], ids=lambda c: f"{c['agg_mode']}-{c['cliprange_value']}")
+def test_value_loss_clipfrac_and_gradient_match_verl(case):
+    vpreds = f32(case["vpreds"]).requires_grad_(True)
+    loss, clipfrac = algos.value_loss(vpreds, f32(case["values"]), f32(case["returns"]), f32(case["mask"]),
+                                      case["cliprange_value"], case["agg_mode"])
+    (grad,) = torch.autograd.grad(loss, vpreds)
+    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-6, abs_tol=1e-6), (loss.item(), case["loss"])
+    assert math.isclose(clipfrac.item(), case["clipfrac"], abs_tol=1e-7)
+    assert 0 < case["clipfrac"] < 1
+    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-5)
+
+
+def test_adaptive_kl_controller_matches_verl():
+    ref = REF["kl_controller"]["adaptive"]
+    ctrl = algos.make_kl_controller("adaptive", ref["init_kl_coef"], ref["target_kl"], ref["horizon"])
+    for kl, n_steps, value in zip(ref["observed"], ref["n_steps"], ref["values"]):
+        ctrl.update(kl, n_steps)
+        assert math.isclose(ctrl.value, value, rel_tol=1e-12), (kl, n_steps, ctrl.value, value)
+
+
+@pytest.mark.parametrize("case", REF["kl_controller"]["apply_kl_penalty"], ids=lambda c: c["kind"])
+def test_kl_in_reward_step_matches_verl(case):
+    """verl's ray_trainer.apply_kl_penalty: rewards with coef * KL, the batch-mean KL it reports, and the
+    controller's update by n_steps = the batch's rows (what PPOTrainer passes; test_trainer checks that)."""
+    mask = f32(case["mask"])
+    ctrl = algos.make_kl_controller("adaptive", case["init_kl_coef"], case["target_kl"], case["horizon"])
+    rewards, kl = algos.apply_kl_penalty(f32(case["token_level_scores"]), f32(case["old_log_probs"]),
+                                         f32(case["ref_log_prob"]), mask, ctrl.value, case["kind"])
+    torch.testing.assert_close(rewards, f32(case["token_level_rewards"]), atol=1e-6, rtol=1e-6)
+    assert math.isclose(float(kl), case["metrics"]["actor/reward_kl_penalty"], rel_tol=1e-6)
+    assert ctrl.value == case["metrics"]["actor/reward_kl_penalty_coeff"]
+    ctrl.update(float(kl), n_steps=mask.shape[0])
+    assert math.isclose(ctrl.value, case["coef_after"], rel_tol=1e-6)
 
 
 def test_gsm8k_strict_and_flexible_match_verl():

@@ -147,15 +147,17 @@ def compute_rloo_advantages(scores: Tensor, response_mask: Tensor,
 
 def compute_reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor,
                                     gamma: float) -> Tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted return-to-go, whitened over the batch."""
+    """REINFORCE++: discounted return-to-go over the model's tokens, whitened over the batch.
+
+    As verl 0.9.1: a masked token (tool output inside a trajectory, padding) stores 0 and carries the
+    running return through unchanged, so a reward after a tool result still reaches the turns before it."""
     m = _mask_like(response_mask, token_rewards)
     returns = torch.zeros_like(token_rewards)
     running = token_rewards.new_zeros(token_rewards.shape[0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        # Like verl: a masked token stores its value but does not pass it on.
-        running = running * m[:, t]
+        step = token_rewards[:, t] + gamma * running
+        returns[:, t] = step * m[:, t]
+        running = torch.where(m[:, t] != 0, step, running)
     return masked_whiten(returns, m) * m, returns
 
 

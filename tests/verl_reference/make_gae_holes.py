@@ -1,7 +1,7 @@
 """Reference data for GAE over loss masks with holes (multi-turn tool output), from verl 0.9.1 itself.
 
-Run in the side venv that has verl (never a hybridrl dependency):
-    /work/venvs/verl/bin/python tests/verl_reference/make_gae_holes.py
+Run in the side venv that has verl (never a hybridrl dependency; requirements-verl.txt):
+    make verl-reference        # creates .venv-verl, then runs make_reference.py and this script
 It writes gae_holes_verl_0_9_1.json beside this file: inputs (rewards, values, masks, gamma, lam) and
 verl's `compute_gae_advantage_return` outputs, float64. Rewards and values are nonzero inside the
 holes too, so a GAE that reads them there (instead of carrying across) differs from the reference.
