@@ -1,9 +1,45 @@
-"""The LR schedule moves once per training step (as verl steps its scheduler), not once per optimizer
-step: with two mini-batches per step, both optimizer steps of training step t use lr_at(t - 1)."""
+"""The LR schedule: `lr_at` by hand (linear warmup from lr / warmup_steps, then constant, linear or cosine
+decay to lr * min_lr_ratio), and it moves once per training step (as verl steps its scheduler), not once
+per optimizer step: with two mini-batches per step, both optimizer steps of training step t use lr_at(t - 1)."""
+import math
+
 import pytest
 
 from dist_helper import run_distributed
 from test_trainer import TINY, _overrides, _train, read_scalars
+
+
+# warmup 4 steps, 12 in all, peak 2.0, floor 0.1 * 2.0: decay runs over steps 4..12 (progress (t - 4) / 8)
+HAND = {
+    "constant": {0: 0.5, 1: 1.0, 3: 2.0, 4: 2.0, 11: 2.0, 40: 2.0},
+    "linear": {0: 0.5, 2: 1.5, 3: 2.0, 4: 2.0, 6: 0.2 + 1.8 * 0.75, 8: 0.2 + 1.8 * 0.5, 11: 0.2 + 1.8 * 0.125,
+               12: 0.2, 40: 0.2},
+    "cosine": {0: 0.5, 3: 2.0, 4: 2.0, 6: 0.2 + 0.9 * (1 + math.sqrt(0.5)), 8: 0.2 + 0.9,
+               10: 0.2 + 0.9 * (1 - math.sqrt(0.5)), 12: 0.2, 40: 0.2},
+}
+
+
+@pytest.mark.parametrize("style", sorted(HAND))
+def test_lr_at_by_hand(style):
+    from hybridrl.config import OptimConfig
+    from hybridrl.workers.optim import lr_at
+
+    cfg = OptimConfig(lr=2.0, lr_warmup_steps=4, lr_decay_style=style, min_lr_ratio=0.1)
+    for step, expected in HAND[style].items():
+        assert lr_at(step, cfg, 12) == pytest.approx(expected, rel=1e-12), (style, step)
+
+
+def test_lr_at_edges_by_hand():
+    from hybridrl.config import OptimConfig
+    from hybridrl.workers.optim import lr_at
+
+    cosine = OptimConfig(lr=1.0, lr_decay_style="cosine")  # no warmup, floor 0: the full half cosine
+    assert [lr_at(t, cosine, 4) for t in range(5)] == pytest.approx([1.0, 0.5 + 0.5 * math.sqrt(0.5), 0.5,
+                                                                     0.5 - 0.5 * math.sqrt(0.5), 0.0], abs=1e-12)
+    assert lr_at(0, OptimConfig(lr=1.0, lr_warmup_steps=1), 10) == 1.0  # one warmup step is the peak
+    # a run no longer than its warmup stays at the peak once warmed up, whatever the decay style
+    short = OptimConfig(lr=1.0, lr_warmup_steps=4, lr_decay_style="linear", min_lr_ratio=0.5)
+    assert [lr_at(t, short, 3) for t in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
 
 
 @pytest.mark.slow
