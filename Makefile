@@ -56,5 +56,30 @@ verl-reference: $(VERL_STAMP)
 	$(VERL_VENV)/bin/python tests/verl_reference/make_reference.py
 	$(VERL_VENV)/bin/python tests/verl_reference/make_gae_holes.py
 
+# Benchmarks on CPU, one command: the side environments the TRL comparisons need (made once, reused when
+# present: .venv-bench with TRL 1.16 for GRPO, .venv-bench-trl100 with TRL 1.0, the last with PPOTrainer),
+# then every CPU benchmark in turn; each rewrites its section of benchmarks/RESULTS.md and its Summary rows.
+# `make bench BENCHES="bench_reshard bench_memory"` runs some of them. About 45 min on 2 cores.
+.PHONY: bench bench-envs
+BENCHES ?= bench_rollout bench_reshard bench_memory bench_grpo_vs_trl bench_ppo_vs_trl bench_split \
+	bench_micro_batches profile_demo ablate_demo
+
+# $(1): the environment's folder, $(2): the TRL version it must hold
+define bench_env
+	@$(1)/bin/python -c "import sys, trl; sys.exit(trl.__version__ != '$(2)')" 2>/dev/null || { \
+	  echo "making $(1) (TRL $(2))"; \
+	  { test -x $(1)/bin/python || $(PYTHON) -m venv $(1); } && \
+	  $(1)/bin/pip install -q -r requirements.txt -r requirements-bench.txt && \
+	  $(1)/bin/pip install -q trl==$(2) && \
+	  $(1)/bin/pip install -q --no-deps --no-build-isolation -e .; }
+endef
+
+bench-envs: venv
+	$(call bench_env,.venv-bench,1.16.0)
+	$(call bench_env,.venv-bench-trl100,1.0.0)
+
+bench: bench-envs
+	@set -e; for b in $(BENCHES); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done
+
 clean:
 	rm -rf outputs .pytest_cache

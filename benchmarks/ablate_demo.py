@@ -81,14 +81,15 @@ def body(reps: int) -> dict:
     return {k: bl.median(v) for k, v in times.items()}
 
 
-def report(t: dict, reps: int) -> str:
+def report(t: dict, reps: int, samples: list) -> str:
     rows = []
     for stage in ("old_log_prob", "update_actor"):
         base = t[(stage, "base")]
-        rows.append([stage] + [f"{t[(stage, v)] * 1000:.1f} ({t[(stage, v)] / base:.2f}x)" for v in VARIANTS])
+        rows.append([stage] + [f"{t[(stage, v)] * 1000:.1f} ({t[(stage, v)] / base:.2f}x)" for v in VARIANTS]
+                    + bl.stamp(samples))
     return ("## Ablation of the proposed demo speed-ups\n\n"
             f"CPU ms of the calling thread (1 thread), median of {reps} alternating repetitions, tiny_cpu.yaml "
-            "batch (64 samples), ratio to base in brackets:\n\n" + bl.table(["stage"] + list(VARIANTS), rows))
+            "batch (64 samples), ratio to base in brackets:\n\n" + bl.table(["stage"] + list(VARIANTS) + bl.STAMP_HEADER, rows))
 
 
 def main() -> None:
@@ -98,7 +99,9 @@ def main() -> None:
     args = p.parse_args()
     from dist_helper import run_distributed
 
-    text = report(run_distributed(body, 1, args.reps, timeout=900)[0], args.reps)
+    samples = [bl.sample()]
+    times = run_distributed(body, 1, args.reps, timeout=900)[0]
+    text = report(times, args.reps, samples + [bl.sample()])
     print(text)
     if not args.no_write:
         bl.write_section("ablation", text)

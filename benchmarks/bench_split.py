@@ -192,7 +192,7 @@ def section(c, runs, args, stamp: dict) -> str:
 
 def picture(png: str, steps: int, stream: int) -> None:
     """A short colocated run and a short split s=1 + stream run of the GRPO setup, drawn one above the other."""
-    folder, traces = "/tmp/hybridrl_timeline", []
+    folder, traces = os.path.join(bl.WORK, "timeline"), []
     for label, nproc, threads, overrides in sides(GRPO, [stream])[::2]:
         name = "colocated" if nproc == 1 else f"split_s1_stream{stream}"
         run_dir = os.path.join(folder, name)

@@ -6,6 +6,7 @@ the machine it ran on and the exact command. This module imports no hybridrl tra
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -78,6 +79,41 @@ def timed(fn, *args, **kwargs):
 
 def median(xs) -> float:
     return statistics.median(xs)
+
+
+# ---- when and where a row was measured ------------------------------------------------------------
+
+def sample() -> tuple:
+    """(time, 1-minute load average) now: taken beside each measurement, for its row's stamp."""
+    return time.time(), os.getloadavg()[0]
+
+
+def _git(*args) -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+@functools.lru_cache(maxsize=None)  # one run, one commit
+def commit() -> str:
+    """HEAD's short hash; "+dirty" when the code a benchmark runs (src/, benchmarks/*.py, configs/, tests/)
+    differs from it (RESULTS.md itself does not count)."""
+    head = _git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", "src", "configs", "tests", "benchmarks/*.py")
+    return head + ("+dirty" if changed else "")
+
+
+STAMP_HEADER = ["load 1-min", "commit", "date (UTC)"]
+
+
+def stamp(samples) -> list:
+    """The STAMP_HEADER cells of a row measured at `samples` ((time, load) pairs): the load range over
+    its measurements, the commit, the date of its first measurement."""
+    loads = [load for _, load in samples]
+    lo, hi = min(loads), max(loads)
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(min(t for t, _ in samples)))
+    return [f"{lo:.2f}" if hi - lo < 0.005 else f"{lo:.2f}-{hi:.2f}", commit(), when]
 
 
 def read_scalars(folder: str, with_wall_time: bool = False):
@@ -155,10 +191,19 @@ def machine(extra=("torch", "megatron-core", "transformers")) -> str:
 
 
 def command() -> str:
-    """The command line that produced this result, relative to the repository root."""
-    exe = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT) else sys.executable
+    """The command line that produced this result, relative to the repository root (an interpreter
+    outside it by its name only: no machine's paths in RESULTS.md)."""
+    exe = sys.executable
+    exe = os.path.relpath(exe, ROOT) if exe.startswith(ROOT + os.sep) else os.path.basename(exe)
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
-    return " ".join([exe, script] + [shlex.quote(a) for a in sys.argv[1:]])
+    return " ".join([exe, script] + [shlex.quote(public_path(a)) for a in sys.argv[1:]])
+
+
+def public_path(text: str) -> str:
+    """`text` with this checkout's root and the home directory left out (relative / `~`)."""
+    text = text.replace(ROOT + os.sep, "").replace(ROOT, ".")
+    home = os.path.expanduser("~")
+    return text.replace(home + os.sep, "~/") if home not in ("/", "") else text
 
 
 _HEADER = ("# Benchmark results\n\nWritten by the scripts in `benchmarks/` (see `benchmarks/README.md`); "
@@ -166,14 +211,47 @@ _HEADER = ("# Benchmark results\n\nWritten by the scripts in `benchmarks/` (see 
            "same run on the same machine.\n")
 
 
-def write_section(name: str, body: str, extra_versions=("torch", "megatron-core", "transformers")) -> None:
-    """Replace (or append) the section `name` of RESULTS.md with body + machine + command."""
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+def _replace_block(text: str, name: str, block: str) -> str:
+    pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->", re.S)
+    return pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+SUMMARY_HEADER = ["target", "measured (same-run peer)", "verdict", "section"] + STAMP_HEADER
+
+
+def _update_summary(text: str, name: str, body: str, rows: list) -> str:
+    """Replace section `name`'s rows of the Summary table (between `<!-- BEGIN summary -->` and
+    `<!-- END summary -->`), keeping the other sections' rows and their order."""
+    heading = next(line[3:] for line in body.splitlines() if line.startswith("## "))
+    link = f"[{name}](#{anchor(heading)})"
+    m = re.search(r"<!-- BEGIN summary -->\n(.*?)<!-- END summary -->", text, re.S)
+    old = [line for line in (m.group(1).splitlines() if m else []) if line.startswith("| ")][1:]  # no header
+    new = ["| " + " | ".join(str(c) for c in row[:3] + [link] + row[3:]) + " |" for row in rows]
+    mine = [i for i, line in enumerate(old) if f"| [{name}](" in line]
+    at = mine[0] if mine else len(old)
+    kept = [line for line in old if f"| [{name}](" not in line]
+    lines = kept[:at] + new + kept[at:]
+    table_ = "\n".join([table(SUMMARY_HEADER, [])] + lines)
+    return _replace_block(text, "summary", f"<!-- BEGIN summary -->\n{table_}\n<!-- END summary -->")
+
+
+def write_section(name: str, body: str, extra_versions=("torch", "megatron-core", "transformers"),
+                  summary: list | None = None) -> None:
+    """Replace (or append) the section `name` of RESULTS.md with body + machine + command; `summary`:
+    this benchmark's rows of the Summary table ([target, measured, verdict] + stamp cells)."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     block = (f"<!-- BEGIN {name} -->\n{body.rstrip()}\n\n"
-             f"Machine: {machine(extra_versions)}. Run {stamp}.\n\n"
+             f"Machine: {machine(extra_versions)}. Run {when} at `{commit()}`, load average (1, 5, 15 min) "
+             f"at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n"
              f"Command: `{command()}`\n<!-- END {name} -->")
     text = open(RESULTS).read() if os.path.exists(RESULTS) else _HEADER
-    pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->", re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    text = _replace_block(text, name, block)
+    if summary:
+        text = _update_summary(text, name, body, summary)
     with open(RESULTS, "w") as f:
         f.write(text)

@@ -2,14 +2,16 @@
 
     .venv-bench/bin/python benchmarks/grpo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR
 
-Prints one JSON line {"step_s": [...], "wall_s": [...], "completion_len": [...], "generate_s":
-[...], "score_s": [...]} last: step_s runs from on_step_begin to on_step_end, wall_s from one step's
-end to the next (the first from on_train_begin), so it holds the whole loop; generate_s times
-`_generate_single_turn` (HF generate), score_s all of `_generate_and_score_completions` (generation,
-rewards, advantages); the rest of a step is training. Settings mirror the hybridrl side: 8 prompts x
+Prints one JSON line {"step_s": [...], "wall_s": [...], "gc_s": [...], "completion_len": [...],
+"generate_s": [...], "score_s": [...]} last: step_s runs from on_step_begin to on_step_end, wall_s
+from one step's end to the next (the first from on_train_begin), so it holds the whole loop (the
+window the benchmark compares); gc_s is the garbage collection in that window (`gc.callbacks`);
+generate_s times `_generate_single_turn` (HF generate), score_s all of
+`_generate_and_score_completions` (generation, rewards, advantages); the rest of a step is training. Settings mirror the hybridrl side: 8 prompts x
 4 samples x 32 new tokens per step, one AdamW step per generation (on-policy, so TRL skips the
 old-log-prob forward), fp32, no gradient checkpointing, no KL (beta 0), T=1.
 """
+import gc
 import json
 import sys
 import time
@@ -32,6 +34,7 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
 
         def on_train_begin(self, args, state, control, **kw):
             self.marks.append(time.perf_counter())
+            gc_s.append(0.0)
 
         def on_step_begin(self, args, state, control, **kw):
             self._start = time.perf_counter()
@@ -39,11 +42,14 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
         def on_step_end(self, args, state, control, **kw):
             self.step_s.append(time.perf_counter() - self._start)
             self.marks.append(time.perf_counter())
+            gc_s.append(0.0)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
                 self.lengths.append(logs["completions/mean_length"])
 
+    gc_s = []
+    _time_gc(gc_s)
     prompts = json.load(open(prompts_json))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -62,7 +68,20 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
         setattr(trainer, attr, _timed(getattr(trainer, attr), parts[key]))
     trainer.train()
     wall_s = [b - a for a, b in zip(timer.marks, timer.marks[1:])]  # step end to step end: all of the loop
-    print(json.dumps({"step_s": timer.step_s, "wall_s": wall_s, "completion_len": timer.lengths, **parts}))
+    print(json.dumps({"step_s": timer.step_s, "wall_s": wall_s, "gc_s": gc_s[:len(wall_s)],
+                      "completion_len": timer.lengths, **parts}))
+
+
+def _time_gc(sink: list) -> None:
+    """Add the seconds of every garbage collection to sink[-1] (the current step's window)."""
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and sink:
+            sink[-1] += time.perf_counter() - started[0]
+    gc.callbacks.append(on_gc)
 
 
 def _timed(fn, sink: list):

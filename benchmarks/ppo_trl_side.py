@@ -4,13 +4,15 @@
 
 Prints one JSON line last: step_s (also as wall_s: from on_train_begin or one on_step_end to the
 next, all of the loop), completion_len, and per step generate_s (`batch_generation`: HF generate),
-score_s (the no-grad forwards of the rollout phase: reference, value model, reward model) and
-train_s (the PPO epoch: policy and value forward/backward, AdamW). Settings mirror the hybridrl
+score_s (the no-grad forwards of the rollout phase: reference, value model, reward model), gc_s
+(garbage collection, `gc.callbacks`: TRL's two `gc.collect()` per update and any automatic one) and
+train_s (the rest: the PPO epoch, policy and value forward/backward, AdamW, loader and logging). Settings mirror the hybridrl
 side: 32 prompts x 1 sample x 32 new tokens, one PPO epoch of one mini-batch (one AdamW step), KL
 penalty k1 x 0.05 in the reward, GAE gamma 1 lam 0.95, clip 0.2, value clip 0.2, T=1, fp32, 2 threads.
 TRL's PPO needs a reward *model*: `DigitShareRewardModel` scores the share of digit characters in
 the decoded response, the trivial reward the hybridrl side uses (checked equal on the first batch).
 """
+import gc
 import json
 import sys
 import time
@@ -88,8 +90,9 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
         whiten_rewards=False, missing_eos_penalty=None, stop_token=None, num_sample_generations=0, bf16=False,
         fp16=False, use_cpu=True, gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
         seed=1, dataloader_num_workers=0, disable_tqdm=True)
-    parts = {"batch_generation": [], "get_reward": []}
+    parts = {"batch_generation": [], "get_reward": [], "gc": []}
     _timers(module, parts)
+    _time_gc(parts["gc"])
     marks, lengths = [], []
 
     class StepTimer(transformers.TrainerCallback):
@@ -110,9 +113,22 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     _record_lengths(module, lengths)
     trainer.train()
     step_s = [b - a for a, b in zip(marks, marks[1:])]
-    gen, score = parts["batch_generation"][:len(step_s)], parts["get_reward"][:len(step_s)]
-    print(json.dumps({"step_s": step_s, "wall_s": step_s, "completion_len": lengths[:len(step_s)], "generate_s": gen, "score_s": score,
-                      "train_s": [s - g - r for s, g, r in zip(step_s, gen, score)]}))
+    gen, score, gc_s = (parts[k][:len(step_s)] for k in ("batch_generation", "get_reward", "gc"))
+    print(json.dumps({"step_s": step_s, "wall_s": step_s, "gc_s": gc_s, "completion_len": lengths[:len(step_s)],
+                      "generate_s": gen, "score_s": score,
+                      "train_s": [s - g - r - c for s, g, r, c in zip(step_s, gen, score, gc_s)]}))
+
+
+def _time_gc(sink: list) -> None:
+    """Add the seconds of every garbage collection to sink[-1] (the current step's window)."""
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and sink:
+            sink[-1] += time.perf_counter() - started[0]
+    gc.callbacks.append(on_gc)
 
 
 def _check_reward(reward, tokenizer, digit_share):

@@ -74,13 +74,14 @@ def profiled_run(stage: str, steps: int) -> dict:
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("@@JSON"))[6:])
 
 
-def report(plain: dict, stage: str, prof: dict, steps: int) -> str:
+def report(plain: dict, stage: str, prof: dict, steps: int, samples: list) -> str:
     t = plain["timings"]
-    rows = [[k, f"{v * 1000:.1f}", f"{100 * v / t['step']:.0f}%"] for k, v in sorted(t.items(), key=lambda kv: -kv[1])]
+    rows = [[k, f"{v * 1000:.1f}", f"{100 * v / t['step']:.0f}%"] + bl.stamp(samples)
+            for k, v in sorted(t.items(), key=lambda kv: -kv[1])]
     return (f"## Profile of the tiny demo step (configs/tiny_cpu.yaml)\n\n"
             f"Median ms per stage over steps 2..{steps} of an unprofiled run (timing_s/* from TensorBoard); "
             f"`--profile` average: `{plain['profile_line']}`\n\n"
-            + bl.table(["stage", "ms", "share of step"], rows)
+            + bl.table(["stage", "ms", "share of step"] + bl.STAMP_HEADER, rows)
             + f"\n\nSlowest stage: **{stage}**. cProfile of it over {prof['calls']} calls (top by tottime):\n\n"
             f"```\n{prof['cprofile']}\n```\n\ntorch.profiler, one call, aten ops by self CPU time:\n\n"
             f"```\n{prof['ops']}\n```")
@@ -95,9 +96,11 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return _child(args.child, args.steps)
+    samples = [bl.sample()]
     plain = plain_run(args.steps)
+    samples.append(bl.sample())
     stage = args.stage or max((k for k in plain["timings"] if k in STAGES), key=plain["timings"].get)
-    text = report(plain, stage, profiled_run(stage, args.steps), args.steps)
+    text = report(plain, stage, profiled_run(stage, args.steps), args.steps, samples)
     print(text)
     if not args.no_write:
         bl.write_section("profile", text)

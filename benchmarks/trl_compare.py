@@ -3,7 +3,11 @@ times, the report tables, and the matmul-only (FLOP-bound) time of the training 
 
 hybridrl runs in the interpreter that runs the benchmark (`hybridrl_side.py`, this checkout's src/
 first on the path, timing_s/* read back from TensorBoard); TRL runs in a side environment given
-by --trl-python. The first step of every run is warm-up and is skipped.
+by --trl-python. Both sides are timed over the same window: wall clock from the end of one step to
+the end of the next (hybridrl: the TensorBoard events of consecutive steps; TRL: `on_step_end`), so
+data fetch, logging and garbage collection count on both sides. Garbage collection (every collection,
+automatic or `gc.collect()`, through `gc.callbacks`) is shown as its own stage on both sides. The
+first step of every run is warm-up and is skipped.
 """
 from __future__ import annotations
 
@@ -37,6 +41,12 @@ def common_overrides(run_dir: str, steps: int) -> list:
             "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}/ckpt", f"trainer.log_dir={run_dir}/tb"]
 
 
+def gc_per_window(events: list, ends: list) -> list:
+    """Seconds of garbage collection (events: [(start, seconds)], time.time()) in each window
+    (ends[i - 1], ends[i]] of consecutive step ends."""
+    return [sum(sec for start, sec in events if a < start <= b) for a, b in zip(ends, ends[1:])]
+
+
 def _hybridrl_process(run_dir: str, steps: int, overrides: list, extra_env=None, nproc: int = 1) -> str:
     """Runs hybridrl_side.py once in a fresh run_dir (under torchrun when nproc > 1); returns its stdout."""
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -52,14 +62,17 @@ def _hybridrl_process(run_dir: str, steps: int, overrides: list, extra_env=None,
 
 
 def run_hybridrl(run_dir: str, steps: int, overrides: list, stages, extra_env=None, nproc: int = 1) -> dict:
-    """Steps 2..steps of one run: timing_s/step, and wall_s, the wall clock between the TensorBoard
-    events of consecutive steps (everything the loop does, data and logging included)."""
-    _hybridrl_process(run_dir, steps, overrides, extra_env, nproc)
+    """Steps 2..steps of one run: timing_s/step (the trainer's own step timer), wall_s, the wall clock
+    between the TensorBoard events of consecutive steps (everything the loop does, data fetch and
+    logging included), gc_s (garbage collection in that window) and the timing_s/* stages."""
+    out = _hybridrl_process(run_dir, steps, overrides, extra_env, nproc)
     s, wall = bl.read_scalars(os.path.join(run_dir, "tb"), with_wall_time=True)
     keep = range(2, steps + 1)
     logged = wall["training/global_step"]
+    gc_events = [e for line in out.splitlines() if line.startswith("@@GC") for e in json.loads(line[4:])]
     return {"step_s": [s["timing_s/step"][i] for i in keep], "completion_len": [s["response_length/mean"][i] for i in keep],
             "wall_s": [logged[i] - logged[i - 1] for i in keep], "logged_at": [logged[i] for i in range(1, steps + 1)],
+            "gc_s": gc_per_window(gc_events, [logged[i] for i in range(1, steps + 1)]),
             "stages": {k: [s[f"timing_s/{k}"][i] for i in keep] for k in stages if f"timing_s/{k}" in s}}
 
 
@@ -88,20 +101,23 @@ def prompts_json() -> str:
 
 
 def run_trl(trl_python: str, script: str, args: list, stage_names: dict) -> dict:
-    """The TRL side prints one JSON line last: step_s, completion_len and one list per stage key."""
+    """The TRL side prints one JSON line last: wall_s (step end to step end), gc_s, completion_len and
+    one list per stage key; steps 2.. are kept. step_s is wall_s, the window hybridrl is timed over."""
     cmd = [trl_python, os.path.join(bl.ROOT, "benchmarks", script)] + [str(a) for a in args]
     proc = subprocess.run(cmd, cwd=bl.ROOT, env=env(), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"TRL side failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"step_s": out["step_s"][1:], "completion_len": out["completion_len"][1:],
+    return {"step_s": out["wall_s"][1:], "wall_s": out["wall_s"][1:], "gc_s": out["gc_s"][1:],
+            "completion_len": out["completion_len"][1:],
             "stages": {label: out[key][1:] for key, label in stage_names.items()}}
 
 
 def trl_versions(trl_python: str) -> str:
     code = "import trl, accelerate, transformers; print(trl.__version__, accelerate.__version__, transformers.__version__)"
     trl, acc, tf = subprocess.run([trl_python, "-c", code], capture_output=True, text=True).stdout.split()
-    return f"TRL {trl}, accelerate {acc}, transformers {tf} (in {os.path.dirname(os.path.dirname(trl_python))})"
+    where = os.path.relpath(os.path.dirname(os.path.dirname(trl_python)), bl.ROOT)
+    return f"TRL {trl}, accelerate {acc}, transformers {tf} (in {bl.public_path(where)})"
 
 
 def check_trl_python(trl_python: str, version: str) -> None:
@@ -129,6 +145,11 @@ class Comparison:
     profiled: str  # the hybridrl stage whose profile is attached
     passes: Callable
     notes: dict = field(default_factory=dict)  # extra sentences: "lengths", "bound"
+    variants: tuple = ()  # (label, overrides) of each hybridrl side; empty: one side, "hybridrl", `overrides`
+
+    def sides(self) -> list:
+        """(label, overrides) of the hybridrl sides; the first is the one profiled."""
+        return list(self.variants) or [("hybridrl", self.overrides)]
 
 
 def parse_args(doc: str, trl_python: str):
@@ -143,14 +164,25 @@ def parse_args(doc: str, trl_python: str):
 
 
 def alternate(c: Comparison, args) -> list:
-    """args.rounds rounds of (hybridrl run, TRL run), args.steps steps each, on the same prompts."""
+    """args.rounds rounds of one run per side (each hybridrl variant, then TRL; the order rotates by one
+    each round), args.steps steps each, on the same prompts. Per run: its steps and (time, load) samples."""
     prompts, runs = prompts_json(), []
+    sides = [label for label, _ in c.sides()] + ["TRL"]
+    overrides = dict(c.sides())
     for i in range(args.rounds):
-        hyb = run_hybridrl(os.path.join(bl.WORK, f"{c.name}_hybridrl_{i}"), args.steps, list(c.overrides), c.stages)
-        trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
-                    os.path.join(bl.WORK, f"{c.name}_trl_{i}"), args.steps, c.lr]
-        runs.append({"hybridrl": hyb, "trl": run_trl(args.trl_python, c.trl_script, trl_args, c.trl_stages)})
-        print(f"round {i + 1}: hybridrl {hyb['step_s']} TRL {runs[-1]['trl']['step_s']}", flush=True)
+        rnd = {}
+        for side in sides[i % len(sides):] + sides[:i % len(sides)]:
+            at = bl.sample()
+            if side == "TRL":
+                trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
+                            os.path.join(bl.WORK, f"{c.name}_trl_{i}"), args.steps, c.lr]
+                rnd[side] = run_trl(args.trl_python, c.trl_script, trl_args, c.trl_stages)
+            else:
+                run_dir = os.path.join(bl.WORK, f"{c.name}_{side.replace(' ', '_')}_{i}")
+                rnd[side] = run_hybridrl(run_dir, args.steps, list(overrides[side]), c.stages)
+            rnd[side]["samples"] = [at, bl.sample()]
+        runs.append(rnd)
+        print(f"round {i + 1}: " + ", ".join(f"{k} {bl.median(v['step_s']):.3f}" for k, v in rnd.items()), flush=True)
     return runs
 
 
@@ -158,11 +190,11 @@ def main(c: Comparison, doc: str) -> None:
     args = parse_args(doc, os.path.join(bl.ROOT, c.trl_venv, "bin", "python"))
     check_trl_python(args.trl_python, c.trl_version)
     runs = alternate(c, args)
-    prof = profile_hybridrl(c.name, args.steps, list(c.overrides), c.profiled)
-    text = report(c, runs, args, prof)
+    prof = profile_hybridrl(c.name, args.steps, list(c.sides()[0][1]), c.profiled)
+    text, summary = report(c, runs, args, prof)
     print(text)
     if not args.no_write:
-        bl.write_section(c.name, text)
+        bl.write_section(c.name, text, summary=summary)
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -171,62 +203,94 @@ def pooled(runs: list, side: str) -> float:
     return bl.median([t for r in runs for t in r[side]["step_s"]])
 
 
-def round_table(runs: list) -> str:
-    rows = [[i + 1, f"{bl.median(r['hybridrl']['step_s']):.3f}", f"{bl.median(r['trl']['step_s']):.3f}",
-             f"{bl.median(r['hybridrl']['step_s']) / bl.median(r['trl']['step_s']):.2f}x"] for i, r in enumerate(runs)]
-    h, t = pooled(runs, "hybridrl"), pooled(runs, "trl")
-    rows.append(["all", f"**{h:.3f}**", f"**{t:.3f}**", f"**{h / t:.2f}x**"])
-    return bl.table(["round", "hybridrl s/step", "TRL s/step", "hybridrl / TRL"], rows)
+def samples(runs: list, side: str | None = None) -> list:
+    return [x for r in runs for k, v in r.items() if side in (None, k) for x in v["samples"]]
+
+
+def round_table(runs: list, hyb: list) -> str:
+    rows = []
+    for i, r in enumerate(runs):
+        t = bl.median(r["TRL"]["step_s"])
+        h = [bl.median(r[side]["step_s"]) for side in hyb]
+        rows.append([i + 1] + [f"{x:.3f}" for x in h] + [f"{t:.3f}"] + [f"{x / t:.2f}x" for x in h]
+                    + bl.stamp([x for v in r.values() for x in v["samples"]]))
+    t = pooled(runs, "TRL")
+    h = [pooled(runs, side) for side in hyb]
+    rows.append(["all"] + [f"**{x:.3f}**" for x in h] + [f"**{t:.3f}**"] + [f"**{x / t:.2f}x**" for x in h]
+                + bl.stamp(samples(runs)))
+    return bl.table(["round"] + [f"{side} s/step" for side in hyb] + ["TRL s/step"]
+                    + [f"{side} / TRL" for side in hyb] + bl.STAMP_HEADER, rows)
 
 
 def stage_medians(runs: list, side: str) -> dict:
     return {k: bl.median([x for r in runs for x in r[side]["stages"][k]]) for k in runs[0][side]["stages"]}
 
 
+def per_step(runs: list, side: str, fn) -> list:
+    """fn(run of `side`, step index) for every kept step of every round."""
+    return [fn(r[side], j) for r in runs for j in range(len(r[side]["step_s"]))]
+
+
 def training_part(runs: list, side: str, outside: tuple) -> float:
-    """Median over steps of the step's time minus its `outside` stages, step by step (a difference
-    of medians would carry the noise of each stage into it)."""
-    rest = []
-    for r in runs:
-        stages = [r[side]["stages"][k] for k in outside if k in r[side]["stages"]]
-        rest += [step - sum(parts) for step, *parts in zip(r[side]["step_s"], *stages)]
-    return bl.median(rest)
+    """Median over steps of the wall step minus its `outside` stages and its garbage collection, step by
+    step (a difference of medians would carry the noise of each stage into it)."""
+    return bl.median(per_step(runs, side, lambda run, j: run["step_s"][j] - run["gc_s"][j] - sum(
+        run["stages"][k][j] for k in outside if k in run["stages"])))
 
 
-def stage_table(runs: list) -> str:
+def stage_table(runs: list, hyb: list) -> str:
     rows = []
-    for side, label in (("hybridrl", "hybridrl"), ("trl", "TRL")):
-        total = pooled(runs, side)
-        for k, v in stage_medians(runs, side).items():
-            rows.append([label, k, f"{v:.3f}", f"{100 * v / total:.0f}%"])
-    return bl.table(["side", "stage", "s", "share of step"], rows)
+    for side in hyb + ["TRL"]:
+        total, stamp = pooled(runs, side), bl.stamp(samples(runs, side))
+        items = list(stage_medians(runs, side).items())
+        if side != "TRL":  # what the trainer's own step timer leaves out of the window
+            items.append(("outside timing_s/step (data fetch, logging)",
+                          bl.median(per_step(runs, side, lambda run, j: run["wall_s"][j] - run["timing_s_step"][j]))))
+        items.append(("garbage collection (all collections)", bl.median(per_step(runs, side, lambda run, j: run["gc_s"][j]))))
+        for k, v in items:
+            rows.append([side, k, f"{v:.3f}", f"{100 * v / total:.0f}%"] + stamp)
+    return bl.table(["side", "stage", "s", "share of step"] + bl.STAMP_HEADER, rows)
 
 
-def verdict(runs: list, target: float = 0.5) -> tuple:
-    ratio = pooled(runs, "hybridrl") / pooled(runs, "trl")
-    return ratio, ("met" if ratio <= target else f"missed: {ratio / target:.1f}x off the target")
+def report(c: Comparison, runs: list, args, prof: dict) -> tuple:
+    """(section text, Summary rows)."""
+    hyb = [label for label, _ in c.sides()]
+    for r in runs:  # the trainer's own timer, beside the wall window
+        for side in hyb:
+            r[side]["timing_s_step"] = r[side].pop("step_s")
+            r[side]["step_s"] = r[side]["wall_s"]
+    ratios = {side: pooled(runs, side) / pooled(runs, "TRL") for side in hyb}
+    verdicts = {side: "met" if x <= 0.5 else f"missed: {x / 0.5:.1f}x off the target" for side, x in ratios.items()}
+    training = {side: training_part(runs, side, ("gen", "update_weights")) for side in hyb}
+    training["TRL"] = training_part(runs, "TRL", (c.trl_rollout_stage,))
+    passes = {side: c.passes(stage_medians(runs, side))["hybridrl"] for side in hyb}
+    passes["TRL"] = c.passes({})["TRL"]
+    target = "; ".join(f"{side} **{x:.2f}x** ({verdicts[side]})" for side, x in ratios.items())
+    text = (f"## {c.title}\n\nMedian wall seconds per step, end of one step to the end of the next on both sides "
+            f"(steps 2..{args.steps} of each run; {args.rounds} rounds, the sides' order rotating each round), "
+            f"{c.setup}, fp32, 2 threads, AdamW lr {c.lr:g}{c.notes.get('sides', '')}.\n\n"
+            + round_table(runs, hyb)
+            + f"\n\nTarget hybridrl <= 0.5x TRL: {target}. Mean response lengths seen: "
+            f"{lengths(runs, hyb)}{c.notes.get('lengths', '')}.\n\nStage medians (hybridrl: timing_s/*, and what "
+            f"its step timer leaves out of the wall window; TRL: the methods named timed inside its trainer, the "
+            f"rest of its window is its training part, loader and logging; garbage collection on both sides "
+            f"through `gc.callbacks`):\n\n" + stage_table(runs, hyb)
+            + f"\n\nTraining part (median over steps of the wall step minus generation, minus garbage collection, "
+            f"and for hybridrl minus update_weights; TRL: minus {c.trl_rollout_stage}) against the matmul-only time "
+            f"of the passes that ran, over the same tokens, on this machine{c.notes.get('bound', '')}:"
+            f"\n\n" + bound_table(passes, training, {side: bl.stamp(samples(runs, side)) for side in passes})
+            + "\n\n" + profile_text(prof, c.profiled) + f"\n\nPeer: {trl_versions(args.trl_python)}.")
+    summary = [[f"{c.name.upper()} step <= 0.5x TRL ({side})",
+                f"**{ratios[side]:.2f}x** TRL ({pooled(runs, side):.3f} s vs {pooled(runs, 'TRL'):.3f} s, wall "
+                f"window; rounds " + " / ".join(f"{bl.median(r[side]['step_s']) / bl.median(r['TRL']['step_s']):.2f}x"
+                                                 for r in runs) + ")",
+                verdicts[side]] + bl.stamp(samples(runs)) for side in hyb]
+    return text, summary
 
 
-def report(c: Comparison, runs: list, args, prof: dict) -> str:
-    ratio, verdict_text = verdict(runs)
-    h = stage_medians(runs, "hybridrl")
-    training = {"hybridrl": training_part(runs, "hybridrl", ("gen", "update_weights")),
-                "TRL": training_part(runs, "trl", (c.trl_rollout_stage,))}
-    return (f"## {c.title}\n\nMedian seconds per step (steps 2..{args.steps} of each run; {args.rounds} rounds, "
-            f"hybridrl A then TRL B), {c.setup}, fp32, 2 threads, AdamW lr {c.lr:g}.\n\n" + round_table(runs)
-            + f"\n\nTarget hybridrl <= 0.5x TRL: **{ratio:.2f}x** ({verdict_text}). Mean response lengths seen: "
-            f"{lengths(runs)}{c.notes.get('lengths', '')}.\n\nStage medians (hybridrl: timing_s/*; TRL: the methods "
-            f"named timed inside its trainer, the rest of its step is its training part):\n\n" + stage_table(runs)
-            + f"\n\nTraining part (median over steps of hybridrl: step - gen - update_weights; TRL: step - "
-            f"{c.trl_rollout_stage}) against "
-            f"the matmul-only time of the same passes over the same tokens on this machine{c.notes.get('bound', '')}:"
-            f"\n\n" + bound_table(c.passes(h), training) + "\n\n" + profile_text(prof, c.profiled)
-            + f"\n\nPeer: {trl_versions(args.trl_python)}.")
-
-
-def lengths(runs: list) -> str:
-    seen = {side: sorted({round(x, 2) for r in runs for x in r[side]["completion_len"]}) for side in ("hybridrl", "trl")}
-    return f"hybridrl {seen['hybridrl']}, TRL {seen['trl']}"
+def lengths(runs: list, sides: list) -> str:
+    seen = {side: sorted({round(x, 2) for r in runs for x in r[side]["completion_len"]}) for side in sides + ["TRL"]}
+    return ", ".join(f"{side} {v}" for side, v in seen.items())
 
 
 # ---- FLOP-bound time ---------------------------------------------------------------------------
@@ -268,11 +332,14 @@ def matmul_seconds(sequences: int, seq_len: int, lm_head: bool = True, backward:
     return total
 
 
-def bound_table(passes: dict, measured: dict) -> str:
-    """passes: side -> [(label, sequences, seq_len, lm_head, backward)]; measured: side -> training s."""
+def bound_table(passes: dict, measured: dict, stamps: dict) -> str:
+    """passes: side -> [(label, sequences, seq_len, lm_head, backward)], the passes that ran;
+    measured: side -> training s; stamps: side -> its STAMP_HEADER cells."""
     rows = []
     for side, items in passes.items():
         bound = sum(matmul_seconds(s, t, head, bwd) for _, s, t, head, bwd in items)
         names = " + ".join(label for label, *_ in items)
-        rows.append([side, names, f"{measured[side]:.3f}", f"{bound:.3f}", f"{measured[side] / bound:.1f}x"])
-    return bl.table(["side", "training passes (matmuls timed)", "measured s", "matmul-only s", "measured / bound"], rows)
+        rows.append([side, names, f"{measured[side]:.3f}", f"{bound:.3f}", f"{measured[side] / bound:.1f}x"]
+                    + stamps[side])
+    return bl.table(["side", "training passes that ran (matmuls timed)", "measured s", "matmul-only s",
+                     "measured / bound"] + bl.STAMP_HEADER, rows)
