@@ -117,10 +117,17 @@ METRIC_NAMES = [f"timing_s/{k}" for k in ("gen", "old_log_prob", "ref", "adv", "
     "response_length/max", "response_length/clip_ratio", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]
 
 
+# the adaptive KL controller: 8 responses a step (4 prompts x 2), a short horizon so each update shows
+KL_CTRL = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.025",
+           "algorithm.kl_ctrl.horizon=100"]
+
+
 @pytest.mark.slow
 def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
+    """Also the adaptive KL controller inside the trainer (its coefficient by hand from the logged KL, and
+    restored by the resume) and trainer.critic_warmup (the actor sits out step 1)."""
     common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.save_freq=4",
-              "trainer.test_freq=4"]
+              "trainer.test_freq=4", "trainer.critic_warmup=1"] + KL_CTRL
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "full", common + ["trainer.total_training_steps=8"]))
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=4"]))
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=8"]))
@@ -128,9 +135,22 @@ def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
     missing = [n for n in METRIC_NAMES if n not in full]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert "val-core/synthetic/arith/acc/mean@1" in full and "val-aux/synthetic/arith/reward/mean@1" in full
-    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean", "actor/grad_norm", "actor/ppo_kl"):
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean", "actor/grad_norm", "actor/ppo_kl",
+                "actor/reward_kl_penalty_coeff"):
         for step in range(5, 9):
             assert full[key][step] == part[key][step], (key, step, full[key][step], part[key][step])
+    # critic warmup: step 1 trains the critic alone, so step 2 still samples from (and measures KL of) the
+    # initial policy; the actor's first update is step 2's
+    assert set(full["critic/vf_loss"]) == set(range(1, 9)) and set(full["actor/pg_loss"]) == set(range(2, 9))
+    kl, coef = full["actor/reward_kl_penalty"], full["actor/reward_kl_penalty_coeff"]
+    assert abs(kl[1]) < 1e-6 and abs(kl[2]) < 1e-6 and abs(kl[3]) > 1e-4, kl
+    # verl's controller, updated once a step by the batch's rows (ray_trainer.apply_kl_penalty: n_steps is
+    # the number of responses): coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * rows / horizon
+    assert coef[1] == pytest.approx(0.05, rel=1e-7)
+    for step in range(1, 8):
+        error = min(max(kl[step] / 0.025 - 1, -0.2), 0.2)
+        assert coef[step + 1] == pytest.approx(coef[step] * (1 + error * 8 / 100), rel=1e-6), (step, kl, coef)
+    assert any(abs(kl[t] / 0.025 - 1) < 0.2 for t in range(3, 8)), kl  # not every step at the clip
 
 
 @pytest.mark.slow

@@ -306,7 +306,8 @@ class PPOTrainer:
                 token_rewards, gather_dp(batch["old_log_probs"], g), gather_dp(batch["ref_log_probs"], g),
                 mask, self.kl_ctrl.value, a.kl_penalty)
             metrics.update({"actor/reward_kl_penalty": float(kl), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
-            self.kl_ctrl.update(float(kl), n_steps=self.cfg.data.train_batch_size)
+            # as verl's apply_kl_penalty: n_steps is the batch's responses (prompts x rollout.n), not its prompts
+            self.kl_ctrl.update(float(kl), n_steps=mask.shape[0])
         return all_scores, token_rewards, mask, metrics
 
     def compute_advantages(self, batch, scores) -> Dict[str, float]:
