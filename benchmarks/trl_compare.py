@@ -11,7 +11,6 @@ first step of every run is warm-up and is skipped.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -181,6 +180,9 @@ def alternate(c: Comparison, args) -> list:
                 run_dir = os.path.join(bl.WORK, f"{c.name}_{side.replace(' ', '_')}_{i}")
                 rnd[side] = run_hybridrl(run_dir, args.steps, list(overrides[side]), c.stages)
             rnd[side]["samples"] = [at, bl.sample()]
+            # the matmul-only bound of the passes this side ran, timed right after it (same machine state)
+            ran = c.passes({k: 0 for k in rnd[side]["stages"]})["TRL" if side == "TRL" else "hybridrl"]
+            rnd[side]["bound_s"] = sum(matmul_seconds(*p[1:]) for p in ran)
         runs.append(rnd)
         print(f"round {i + 1}: " + ", ".join(f"{k} {bl.median(v['step_s']):.3f}" for k, v in rnd.items()), flush=True)
     return runs
@@ -265,6 +267,7 @@ def report(c: Comparison, runs: list, args, prof: dict) -> tuple:
     training["TRL"] = training_part(runs, "TRL", (c.trl_rollout_stage,))
     passes = {side: c.passes(stage_medians(runs, side))["hybridrl"] for side in hyb}
     passes["TRL"] = c.passes({})["TRL"]
+    bounds = {side: bl.median([r[side]["bound_s"] for r in runs]) for side in passes}
     target = "; ".join(f"{side} **{x:.2f}x** ({verdicts[side]})" for side, x in ratios.items())
     text = (f"## {c.title}\n\nMedian wall seconds per step, end of one step to the end of the next on both sides "
             f"(steps 2..{args.steps} of each run; {args.rounds} rounds, the sides' order rotating each round), "
@@ -277,8 +280,9 @@ def report(c: Comparison, runs: list, args, prof: dict) -> tuple:
             f"through `gc.callbacks`):\n\n" + stage_table(runs, hyb)
             + f"\n\nTraining part (median over steps of the wall step minus generation, minus garbage collection, "
             f"and for hybridrl minus update_weights; TRL: minus {c.trl_rollout_stage}) against the matmul-only time "
-            f"of the passes that ran, over the same tokens, on this machine{c.notes.get('bound', '')}:"
-            f"\n\n" + bound_table(passes, training, {side: bl.stamp(samples(runs, side)) for side in passes})
+            f"of the passes that ran, over the same tokens, on this machine{c.notes.get('bound', '')}"
+            f" (median over rounds of the bound timed right after each run):"
+            f"\n\n" + bound_table(passes, training, bounds, {side: bl.stamp(samples(runs, side)) for side in passes})
             + "\n\n" + profile_text(prof, c.profiled) + f"\n\nPeer: {trl_versions(args.trl_python)}.")
     summary = [[f"{c.name.upper()} step <= 0.5x TRL ({side})",
                 f"**{ratios[side]:.2f}x** TRL ({pooled(runs, side):.3f} s vs {pooled(runs, 'TRL'):.3f} s, wall "
@@ -309,7 +313,6 @@ def _gemm_s(m: int, k: int, n: int, reps: int = 9) -> float:
     return bl.median(times)
 
 
-@functools.lru_cache(maxsize=None)  # one figure per pass shape, the same for both sides
 def matmul_seconds(sequences: int, seq_len: int, lm_head: bool = True, backward: bool = False) -> float:
     """The matmuls of one forward (with backward: x3, data and weight gradients timed as their own
     shapes) of the bench model over sequences x seq_len tokens: projections, attention scores and
@@ -332,12 +335,12 @@ def matmul_seconds(sequences: int, seq_len: int, lm_head: bool = True, backward:
     return total
 
 
-def bound_table(passes: dict, measured: dict, stamps: dict) -> str:
+def bound_table(passes: dict, measured: dict, bounds: dict, stamps: dict) -> str:
     """passes: side -> [(label, sequences, seq_len, lm_head, backward)], the passes that ran;
-    measured: side -> training s; stamps: side -> its STAMP_HEADER cells."""
+    measured: side -> training s; bounds: side -> their matmul-only s; stamps: side -> STAMP_HEADER cells."""
     rows = []
     for side, items in passes.items():
-        bound = sum(matmul_seconds(s, t, head, bwd) for _, s, t, head, bwd in items)
+        bound = bounds[side]
         names = " + ".join(label for label, *_ in items)
         rows.append([side, names, f"{measured[side]:.3f}", f"{bound:.3f}", f"{measured[side] / bound:.1f}x"]
                     + stamps[side])
