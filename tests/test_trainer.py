@@ -77,9 +77,43 @@ def test_remax_baseline_is_the_greedy_score(tmp_path):
     assert scalars["critic/remax_baseline/mean"][1] == pytest.approx(greedy, rel=1e-6)
 
 
+# What the single-process run a layout is compared with shares with it: the estimator and what changes the
+# model or the loss (recomputation, offloading and token-budget micro-batches change neither).
+SAME_MATH = ("actor.use_kl_loss=true", "model.tie_word_embeddings=false")
+# The reference runs also set the weight-sync keys no other run sets (rollout.verify_weights,
+# rollout.update_weights_bucket_mb); the handoffs they asked for are recorded.
+HANDOFF = {"grpo": ["rollout.verify_weights=exact", "rollout.update_weights_bucket_mb=3"],
+           "gae": ["rollout.verify_weights=off"]}
+FIRST_STEP = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+              "critic/score/mean", "critic/advantages/mean", "critic/returns/mean", "response_length/mean")
+_single = {}
+
+
+def _train_recording_handoffs(config_path, overrides):
+    """_train, with every weight handoff into the engine recorded (its bucket size and check)."""
+    from hybridrl.placement import reshard
+
+    reports, handoff = [], reshard.update_engine_weights
+    reshard.update_engine_weights = lambda *a, **kw: reports.append(handoff(*a, **kw)) or reports[-1]
+    _train(config_path, overrides)
+    return [(r.bucket_bytes, r.verify, r.verified) for r in reports]
+
+
+def _single_process(tmp_path_factory, estimator, extras):
+    """TensorBoard scalars and handoffs of one step in one process, once per estimator and model."""
+    key = (estimator, tuple(e for e in extras if e in SAME_MATH))
+    if key not in _single:
+        tmp = tmp_path_factory.mktemp(f"single_{estimator}")
+        handoffs = run_distributed(_train_recording_handoffs, 1, TINY, _overrides(tmp, [
+            f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1"] + list(key[1]) + HANDOFF[estimator]))
+        _single[key] = read_scalars(tmp), handoffs[0]
+    return _single[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator,tp,pp,nproc", LAYOUTS)
-def test_torchrun_layouts(tmp_path, estimator, tp, pp, nproc):
+def test_torchrun_layouts(tmp_path, tmp_path_factory, estimator, tp, pp, nproc):
+    """Two steps under torchrun; the first step's metrics equal the single-process run's."""
     extras = EXTRAS.get((estimator, tp, pp), [])
     export = tmp_path / "hf_export"
     _torchrun(tmp_path, nproc, [f"algorithm.adv_estimator={estimator}", f"parallel.tensor_model_parallel_size={tp}",
@@ -87,6 +121,12 @@ def test_torchrun_layouts(tmp_path, estimator, tp, pp, nproc):
                                 f"trainer.export_hf_dir={export}"] + extras)
     scalars = read_scalars(tmp_path)
     assert set(scalars["actor/pg_loss"]) == {1, 2}
+    single, _ = _single_process(tmp_path_factory, estimator, extras)
+    keys = FIRST_STEP + (("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/values/mean")
+                         if estimator == "gae" else ()) + (("actor/kl_loss",) if "actor.use_kl_loss=true" in extras else ())
+    for key in keys:
+        got, want = scalars[key][1], single[key][1]
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (key, got, want)
     if estimator == "gae":
         assert "critic/vf_loss" in scalars and "critic/values/mean" in scalars
     if "actor.use_kl_loss=true" in extras:
@@ -95,6 +135,17 @@ def test_torchrun_layouts(tmp_path, estimator, tp, pp, nproc):
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(str(export), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", sorted(HANDOFF))
+def test_weight_sync_keys_reach_the_handoff(tmp_path_factory, estimator):
+    """rollout.verify_weights and rollout.update_weights_bucket_mb as the trainer hands them over, at start
+    and after the update (the single-process runs of test_torchrun_layouts, reused)."""
+    _, handoffs = _single_process(tmp_path_factory, estimator, [])
+    mb = 3 if estimator == "grpo" else 64
+    verify = "exact" if estimator == "grpo" else "off"
+    assert handoffs == [(mb * 2 ** 20, verify, verify != "off")] * 2, handoffs
 
 
 @pytest.mark.slow
