@@ -1,5 +1,6 @@
 """End to end: the trainer under several layouts, DP invariance, resume, TensorBoard names, NaN stop."""
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -108,6 +109,49 @@ def _single_process(tmp_path_factory, estimator, extras):
             f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1"] + list(key[1]) + HANDOFF[estimator]))
         _single[key] = read_scalars(tmp), handoffs[0]
     return _single[key]
+
+
+SCORE_AND_RECORD = """import json
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    score = sum(ord(c) % 7 for c in solution_str) / 10.0
+    with open({log!r}, "a") as f:
+        f.write(json.dumps([solution_str, score]) + "\\n")
+    return {{"score": score, "acc": float(round(score * 10) % 2 == 0), "pred": solution_str}}
+"""
+
+
+@pytest.mark.slow
+def test_sampled_validation_n4_by_hand(tmp_path):
+    """rollout.val_kwargs.n=4 with sampling through the trainer: validation (before training) scores 4 sampled
+    responses per prompt; mean@4, std@4 and best@4 (verl's bootstrap) computed here from what the reward
+    function saw. The reward is a function of the text, so a random model gets varied values."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    log, reward = tmp_path / "scored.jsonl", tmp_path / "reward.py"
+    reward.write_text(SCORE_AND_RECORD.format(log=str(log)))
+    run_distributed(_train, 1, TINY, _overrides(tmp_path, [
+        "trainer.val_before_train=true", "trainer.total_training_steps=1", f"reward.custom_function.path={reward}",
+        "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0"]))
+    prompts = pq.read_table(tmp_path / "data" / "test.parquet").num_rows
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(seen) == prompts * 4 + 4 * 2  # validation first, then the training step's 4 x 2
+    groups = [seen[4 * p:4 * p + 4] for p in range(prompts)]  # a prompt's responses are consecutive
+    assert sum(len({text for text, _ in g}) > 1 for g in groups) > prompts // 2  # sampled, not greedy
+    score = np.array([[s for _, s in g] for g in groups])
+    acc = (np.round(score * 10) % 2 == 0).astype(float)
+    idx = np.random.RandomState(42).choice(4, size=(1000, 4), replace=True)  # verl's bootstrap draws
+    expected = {"val-core/synthetic/arith/acc/mean@4": acc.mean(),
+                "val-aux/synthetic/arith/reward/mean@4": score.mean(),
+                "val-aux/synthetic/arith/reward/std@4": score.std(axis=1).mean(),
+                "val-core/synthetic/arith/acc/best@4/mean": acc[:, idx].max(axis=2).mean(),
+                "val-aux/synthetic/arith/reward/worst@4/mean": score[:, idx].min(axis=2).mean()}
+    scalars = read_scalars(tmp_path)
+    assert "val-core/synthetic/arith/acc/maj@4/mean" in scalars
+    for key, value in expected.items():
+        assert scalars[key][0] == pytest.approx(value, rel=1e-6), (key, scalars[key], value)
+    assert 0 < expected["val-core/synthetic/arith/acc/mean@4"] < expected["val-core/synthetic/arith/acc/best@4/mean"]
 
 
 @pytest.mark.slow
