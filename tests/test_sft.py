@@ -64,6 +64,18 @@ def test_bad_rows_name_file_row_and_fix(tmp_path, rows, fragment):
     assert path in str(e.value) and ("demonstration_rows" in str(e.value) or "messages_key" in str(e.value))
 
 
+def test_messages_key_names_the_column(tmp_path):
+    rows = demonstration_rows(4, seed=6)
+    default = write_prompt_parquet(rows, str(tmp_path / "messages.parquet"))
+    renamed = write_prompt_parquet([{"conversation": r["messages"]} for r in rows], str(tmp_path / "conv.parquet"))
+    with pytest.raises(DataError, match="has no column 'messages'"):
+        SFTDataset([renamed], TOK, _cfg())
+    want = next(iter(SFTLoader(SFTDataset([default], TOK, _cfg()), 4, 0, 1, False, 0)))
+    got = next(iter(SFTLoader(SFTDataset([renamed], TOK, _cfg(messages_key="conversation")), 4, 0, 1, False, 0)))
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(got[key], want[key]), key
+
+
 def test_bad_files_long_rows_and_small_data(tmp_path):
     with pytest.raises(DataError, match="does not exist; fix sft.train_files or set sft.synthetic_task"):
         SFTDataset([str(tmp_path / "missing.parquet")], TOK, _cfg())
@@ -127,10 +139,11 @@ def _sft_steps(root, layouts, export_layout=None):
         out[(tp, pp)] = [(m["sft/loss"], m["sft/grad_norm"], m["sft/tokens"]) for m in metrics]
         if (tp, pp) == export_layout:
             trainer.save(f"{root}/hf")
-            batch = next(loader)
-            batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"].long()}
-            out["batch"] = batch
+            raw = next(loader)
+            batch = {"input_ids": raw["input_ids"], "attention_mask": raw["attention_mask"].long()}
+            out["batch"], out["loss_mask"] = batch, raw["loss_mask"]
             out["logits"] = mcore_logits(trainer.engine.module, trainer.spec, groups, batch)
+            out["loss"] = trainer.step(raw)["sft/loss"]  # the loss of the saved weights (it steps after)
     return out if dist.get_rank() == 0 else None
 
 
@@ -153,6 +166,11 @@ def test_loss_equal_at_tp2_pp2_dp2_and_hf_export(tmp_path):
     expected = hf_logits(folder, parallel["batch"])
     real = parallel["batch"]["attention_mask"].bool()
     assert torch.allclose(parallel["logits"][real], expected[real], atol=1e-4, rtol=1e-4)
+    # the SFT loss is the cross-entropy of the next token, averaged over the assistant tokens of the batch
+    targets, mask = parallel["batch"]["input_ids"][:, 1:], parallel["loss_mask"][:, 1:].double()
+    nll = -torch.log_softmax(expected[:, :-1].double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert 0 < mask.sum() < real[:, 1:].sum()  # prompts and tool output are not trained on
+    assert parallel["loss"] == pytest.approx(((nll * mask).sum() / mask.sum()).item(), rel=1e-5)
     saved = load_tokenizer(folder)
     assert saved.encode('<tool_call>{"a": 1}</tool_call>') == TOK.encode('<tool_call>{"a": 1}</tool_call>')
     assert not os.path.exists(folder + ".tmp") and not os.path.exists(folder + ".old")
