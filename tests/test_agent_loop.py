@@ -106,6 +106,28 @@ def test_bad_calls_become_error_messages_and_are_counted():
     assert _text(out.responses[0], out.last_turn_mask[0]) == "6<eos>"
 
 
+@pytest.mark.parametrize("timeout_s,expected", [(0.2, "error: tool 'sleeps' timed out after 0.2 s"), (5, "late")])
+def test_tool_timeout_key(timeout_s, expected):
+    """rollout.multi_turn.tool_timeout_s from the config tree: a tool of 0.6 s is abandoned at 0.2 s and
+    answered within 5 s."""
+    from hybridrl.config.io import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "tiny_cpu_tools.yaml"),
+                      [f"rollout.multi_turn.tool_timeout_s={timeout_s}", "rollout.multi_turn.tools=[test_tools:sleeps]"])
+
+    def reply(context, seed):
+        if "</tool_response>" in context:
+            return "1", True
+        return '<tool_call>{"name": "sleeps", "arguments": {"seconds": 0.6}}</tool_call>', True
+
+    engine = ScriptedEngine(reply)
+    out = AgentLoop(cfg.rollout.multi_turn, TOK).generate(engine, [TOK.encode("1=")], SamplingParams(max_new_tokens=300))
+    tool_text = _text(out.responses[0], out.attention_mask[0] - out.response_mask[0])
+    assert tool_text == f"<tool_response>{expected}</tool_response>"
+    assert out.tool_errors.tolist() == [int(timeout_s < 0.6)]
+
+
 def test_calls_of_the_last_turn_and_of_cut_turns_are_not_run():
     always_calls = lambda context, seed: (tool_call_text("1+1"), True)
     loop, engine = _loop(always_calls, max_turns=2)
