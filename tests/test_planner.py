@@ -100,15 +100,17 @@ def test_training_state_bytes_follow_megatron_table():
 
 
 def test_activation_bytes_by_hand():
-    s, b, h, a, d, f = 10, 2, 8, 2, 4, 16
+    s, b, h, a, g, d, f = 10, 2, 8, 2, 1, 4, 16
     fp32 = mem.layer_activation_bytes(ARCH, s, b, 1, "float32")
-    assert fp32 == (6 * s * b * h + 4 * s * b * a * d + 5 * s * b * f) * 4 + a * s * s * b * 4
+    # SDPA attention: Q, context and K, V at their g heads, the fp32 log-sum-exp; no s x s scores
+    assert fp32 == (6 * s * b * h + 2 * s * b * (a + g) * d + 5 * s * b * f) * 4 + 4 * s * b * a
     bf16_tp2 = mem.layer_activation_bytes(ARCH, s, b, 2, "bfloat16")
-    assert bf16_tp2 == 6 * s * b * h * 2 + (4 * s * b * a * d + 5 * s * b * f) * 2 / 2 + a * s * s * b * 6 / 2
+    assert bf16_tp2 == 6 * s * b * h * 2 + (2 * s * b * (a + g) * d + 5 * s * b * f) * 2 / 2 + 4 * s * b * a / 2
+    mask = b * s * s * 4  # one additive mask per micro batch, shared by its layers
     full = mem.stage_activation_bytes(ARCH, s, b, 1, 2, 2, False, "float32")
-    assert full == 2 * 2 * fp32  # 2 layers per stage x 2 micro batches in flight
+    assert full == 2 * (2 * fp32 + mask)  # 2 layers per stage x 2 micro batches in flight
     recompute = mem.stage_activation_bytes(ARCH, s, b, 1, 2, 2, True, "float32")
-    assert recompute == 2 * 2 * s * b * h * 4 + fp32
+    assert recompute == 2 * 2 * s * b * h * 4 + fp32 + mask
     assert mem.kv_bytes_per_token(ARCH, 2, 1, "bfloat16") == 2 * 4 * 1 * 4 * 2  # 1 KV head kept per rank
 
 

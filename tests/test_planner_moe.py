@@ -58,7 +58,7 @@ def test_expert_optimizer_states_shard_over_expert_data_parallel():
 def test_moe_activation_bytes_by_hand():
     s, b, h, a, g, d, k, E, f = 10, 2, 8, 2, 1, 6, 2, 4, 5
     sb = s * b
-    attention = (6 * sb * h + 4 * sb * a * d + 3 * sb * d * (a + g)) * 4 + a * s * sb * 4  # fp32, q/k norms
+    attention = (6 * sb * h + 2 * sb * (a + g) * d + 3 * sb * d * (a + g)) * 4 + 4 * sb * a  # fp32, q/k norms
     routed = k * sb * (h + 6 * f) * 4 + sb * (24 * k + 5 * E)
     assert mem.layer_activation_bytes(MOE, s, b, 1, "float32") == attention + routed
     pre_softmax = mem.Arch(**{**MOE.__dict__, "norm_topk_prob": False})  # softmax over all E, not over the top k

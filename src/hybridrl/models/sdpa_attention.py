@@ -89,6 +89,9 @@ class SDPAttention(torch.nn.Module):
             if key.shape[0] != sq:
                 raise ValueError(f"SDPAttention: a causal mask needs as many keys as queries ({key.shape[0]} vs {sq})")
             causal = True
+        if value.requires_grad and torch.is_grad_enabled():
+            # V is a view of the fused QKV projection: saved as it is, it would keep all of it for backward
+            value = value.contiguous()
         # [s, b, n, d] -> [b, n, s, d] views; the kernels take strided inputs
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout = self.dropout_p if self.training else 0.0

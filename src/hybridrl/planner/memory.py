@@ -20,23 +20,25 @@ the expert-data-parallel group (the dp / ep ranks that hold the same experts), t
 Activations per transformer layer and micro batch: the bytes autograd saves for backward, counted
 op by op as in Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (their GPT layer: s·b·h·(34 + 5·a·s/h) bytes in fp16), applied to this project's megatron
-local-spec layer (torch RMSNorm, unfused attention with K/V expanded to all heads, SwiGLU, no
-dropout), tensor parallel without sequence parallel:
+local-spec layer (torch RMSNorm, `models.sdpa_attention`: torch's fused attention, K and V at their
+g heads, no scores kept; SwiGLU, no dropout), tensor parallel without sequence parallel:
     replicated   6·s·b·h·e          per RMSNorm: input, normalised, weighted output (= linear input)
-    TP-sharded   (4·s·b·a·d + 5·s·b·f)·e / t
-                                    Q, K, V, context; fc1 output (2f), silu(gate), up, product
+    TP-sharded   (2·s·b·(a + g)·d + 5·s·b·f)·e / t
+                                    Q, context, K, V; fc1 output (2f), silu(gate), up, product
     q/k norms    3·s·b·d·(a + g)·e / t   (Qwen3) the fused QKV output (a + 2g heads: K is a view of
                                     it), Q's contiguous copy, normalised Q and K
-    scores       a·s²·b·(4 + e) / t fp32 softmax output + its e-byte copy for the value matmul
-                                    (one fp32 tensor when e = 4)
+    attention    4·s·b·a / t        the fused kernel's fp32 log-sum-exp per query and head
+and once per micro batch, shared by its layers, the additive attention mask b·s²·e (`mask_bytes`).
+megatron's unfused attention (not built here) would save instead K and V expanded to all a heads and
+the scores, a·s²·b·(4 + e) / t per layer.
 Full recomputation keeps each layer's input (s·b·h·e) and rebuilds one layer at a time in backward.
 Final norm: 3·s·b·h·e. Logits: s·b·Vp/t·e for every position, plus the loss side over the R
 response positions (`loss_side_bytes`): the log-prob and entropy function works in chunks and
 saves per-token statistics only, so its backward holds the logits' gradient (R·b·Vp/t·e, then
 s·b·Vp/t·e) and two fp32 chunks. Checked against the bytes autograd saves in a real fp32 CPU step
 (tests/test_planner.py: within 3%). Where kernels differ the count is off: a fused RMSNorm saves
-only its input (fewer bytes), torch's composite bf16 RMSNorm on CPU adds fp32 copies (~7% more in
-total), flash attention drops the scores term (much less at long sequences).
+only its input (fewer bytes), torch's composite bf16 RMSNorm on CPU adds fp32 copies (about
+8·s·b·h bytes more per layer).
 
 An MoE layer replaces the MLP term by the routed one (megatron's MoELayer, allgather dispatcher,
 SequentialMLP experts, router in fp32). Each EP rank gathers the s·b·ep tokens of its EP group and
@@ -197,15 +199,19 @@ def layer_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str
     """Bytes one transformer layer saves for backward for one micro batch (see module doc)."""
     e = BYTES_PER_ELEMENT[dtype]
     sb = seq * micro
-    q = arch.num_attention_heads * arch.head_dim
+    heads = arch.num_attention_heads + arch.num_key_value_heads
     replicated = 6 * sb * arch.hidden_size * e
     mlp = 0 if arch.is_moe else 5 * sb * arch.intermediate_size
-    sharded = (4 * sb * q + mlp) * e / tp
+    sharded = (2 * sb * heads * arch.head_dim + mlp) * e / tp
     if arch.qk_norm:
-        sharded += 3 * sb * arch.head_dim * (arch.num_attention_heads + arch.num_key_value_heads) * e / tp
-    score_bytes = 4 if e == 4 else 4 + e
-    scores = arch.num_attention_heads * seq * sb * score_bytes / tp
-    return replicated + sharded + scores + routed_activation_bytes(arch, seq, micro, tp, dtype, aux_loss)
+        sharded += 3 * sb * arch.head_dim * heads * e / tp
+    log_sum_exp = 4 * sb * arch.num_attention_heads / tp
+    return replicated + sharded + log_sum_exp + routed_activation_bytes(arch, seq, micro, tp, dtype, aux_loss)
+
+
+def mask_bytes(seq: int, micro: int, dtype: str) -> float:
+    """The additive attention mask of one micro batch, kept once for all its layers (module doc)."""
+    return micro * seq * seq * BYTES_PER_ELEMENT[dtype]
 
 
 def routed_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, aux_loss: bool = False) -> float:
@@ -222,14 +228,15 @@ def routed_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: st
 def stage_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, pp: int, in_flight: int,
                            recompute: bool, dtype: str, aux_loss: bool = False) -> float:
     """Saved activations of one stage's layers with `in_flight` micro batches held by the 1F1B
-    schedule (stage r holds min(pp - r, micro batches)); with full recompute only layer inputs stay,
-    plus one layer rebuilt at a time during backward."""
+    schedule (stage r holds min(pp - r, micro batches)), each with its attention mask; with full
+    recompute only layer inputs stay, plus one layer (and its mask) rebuilt at a time in backward."""
     e = BYTES_PER_ELEMENT[dtype]
     layers = arch.num_layers // pp
     one_layer = layer_activation_bytes(arch, seq, micro, tp, dtype, aux_loss)
+    mask = mask_bytes(seq, micro, dtype)
     if recompute:
-        return layers * in_flight * seq * micro * arch.hidden_size * e + one_layer
-    return layers * in_flight * one_layer
+        return layers * in_flight * seq * micro * arch.hidden_size * e + one_layer + mask
+    return in_flight * (layers * one_layer + mask)
 
 
 def loss_side_bytes(arch: Arch, seq: int, response: int, micro: int, tp: int, dtype: str, grad: bool) -> float:
