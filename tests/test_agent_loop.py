@@ -113,8 +113,8 @@ def test_tool_timeout_key(timeout_s, expected):
     from hybridrl.config.io import load_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(root, "configs", "tiny_cpu_tools.yaml"),
-                      [f"rollout.multi_turn.tool_timeout_s={timeout_s}", "rollout.multi_turn.tools=[test_tools:sleeps]"])
+    cfg = load_config(os.path.join(root, "configs", "tiny_cpu_tools.yaml"), [
+        f"rollout.multi_turn.tool_timeout_s={timeout_s}", "rollout.multi_turn.tools=[test_tools:sleeps]"])
 
     def reply(context, seed):
         if "</tool_response>" in context:
@@ -122,7 +122,8 @@ def test_tool_timeout_key(timeout_s, expected):
         return '<tool_call>{"name": "sleeps", "arguments": {"seconds": 0.6}}</tool_call>', True
 
     engine = ScriptedEngine(reply)
-    out = AgentLoop(cfg.rollout.multi_turn, TOK).generate(engine, [TOK.encode("1=")], SamplingParams(max_new_tokens=300))
+    loop = AgentLoop(cfg.rollout.multi_turn, TOK)
+    out = loop.generate(engine, [TOK.encode("1=")], SamplingParams(max_new_tokens=300))
     tool_text = _text(out.responses[0], out.attention_mask[0] - out.response_mask[0])
     assert tool_text == f"<tool_response>{expected}</tool_response>"
     assert out.tool_errors.tolist() == [int(timeout_s < 0.6)]

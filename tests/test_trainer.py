@@ -105,8 +105,8 @@ def _single_process(tmp_path_factory, estimator, extras):
     key = (estimator, tuple(e for e in extras if e in SAME_MATH))
     if key not in _single:
         tmp = tmp_path_factory.mktemp(f"single_{estimator}")
-        handoffs = run_distributed(_train_recording_handoffs, 1, TINY, _overrides(tmp, [
-            f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1"] + list(key[1]) + HANDOFF[estimator]))
+        extra = [f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1", *key[1], *HANDOFF[estimator]]
+        handoffs = run_distributed(_train_recording_handoffs, 1, TINY, _overrides(tmp, extra))
         _single[key] = read_scalars(tmp), handoffs[0]
     return _single[key]
 
@@ -166,8 +166,11 @@ def test_torchrun_layouts(tmp_path, tmp_path_factory, estimator, tp, pp, nproc):
     scalars = read_scalars(tmp_path)
     assert set(scalars["actor/pg_loss"]) == {1, 2}
     single, _ = _single_process(tmp_path_factory, estimator, extras)
-    keys = FIRST_STEP + (("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/values/mean")
-                         if estimator == "gae" else ()) + (("actor/kl_loss",) if "actor.use_kl_loss=true" in extras else ())
+    keys = list(FIRST_STEP)
+    if estimator == "gae":
+        keys += ["critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/values/mean"]
+    if "actor.use_kl_loss=true" in extras:
+        keys.append("actor/kl_loss")
     for key in keys:
         got, want = scalars[key][1], single[key][1]
         assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (key, got, want)

@@ -128,8 +128,9 @@ def outcome_advantage_cases():
     """RLOO and REINFORCE++-baseline over groups (one singleton), from outcome rewards."""
     g = torch.Generator().manual_seed(20)
     cases = []
-    for name, fn in (("rloo", core_algos.compute_rloo_outcome_advantage),
-                     ("reinforce_plus_plus_baseline", core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage)):
+    estimators = {"rloo": core_algos.compute_rloo_outcome_advantage,
+                  "reinforce_plus_plus_baseline": core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage}
+    for name, fn in estimators.items():
         b, t = 13, 6
         mask = _masks(g, b, t)
         mask[1, 0] = 1.0
@@ -307,7 +308,8 @@ def main():
            "numpy_version": np.__version__, "agg_loss": agg_loss_cases(), "policy_loss": policy_loss_cases(),
            "grpo": grpo_cases(), "outcome_advantages": outcome_advantage_cases(),
            "reinforce_plus_plus": reinforce_pp_cases(), "remax": remax_cases(), "kl_penalty": kl_penalty_cases(),
-           "value_loss": value_loss_cases(), "kl_controller": kl_controller_cases(), "gsm8k": gsm8k_cases(), "overlong": overlong_cases(),
+           "value_loss": value_loss_cases(), "kl_controller": kl_controller_cases(), "gsm8k": gsm8k_cases(),
+           "overlong": overlong_cases(),
            "validation": validation_cases()}
     with open(OUT, "w") as f:
         json.dump(ref, f, indent=0)
