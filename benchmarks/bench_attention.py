@@ -129,7 +129,14 @@ def _report(results, reps, load_before, load_after) -> str:
             f"process, CPU time of the calling thread (one torch thread); saved = bytes autograd keeps for "
             f"backward (parameters excluded). "
             f"Commit {commit}; load average {load_before} before, {load_after} after.\n\n"
-            + benchlib.table(header, rows))
+            + benchlib.table(header, rows) + NOTE)
+
+
+NOTE = ("\n\nThe projections' and MLP's matrix products dominate a CPU step at these widths, so the step gains "
+        "only what the attention's own ops cost (scores, mask fill, softmax and their backward, K and V "
+        "repeated to every head), most at the longest sequence; the saved bytes fall by the a x s x s scores "
+        "per layer (SDPA keeps none). On a GPU the fused kernels never hold an s x s tensor at all: "
+        "`benchmarks/gpu_check.sh` measures the training step there (MFU, with the attention that ran).")
 
 
 def main():
