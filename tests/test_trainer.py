@@ -91,13 +91,20 @@ _single = {}
 
 
 def _train_recording_handoffs(config_path, overrides):
-    """_train, with every weight handoff into the engine recorded (its bucket size and check)."""
-    from hybridrl.placement import reshard
+    """_train, with every weight handoff into the engine recorded (its bucket size and check) and the weight
+    digests computed on either side counted by mode (the engine's read-back, the trainer's of what it sent)."""
+    from collections import Counter
 
-    reports, handoff = [], reshard.update_engine_weights
+    from hybridrl.placement import reshard
+    from hybridrl.rollout import native
+
+    reports, handoff, digests = [], reshard.update_engine_weights, Counter()
     reshard.update_engine_weights = lambda *a, **kw: reports.append(handoff(*a, **kw)) or reports[-1]
+    for side, module in (("trainer", reshard), ("engine", native)):
+        module.weight_digest = lambda t, mode, real=module.weight_digest, side=side: (
+            digests.update([(side, mode)]) or real(t, mode))
     _train(config_path, overrides)
-    return [(r.bucket_bytes, r.verify, r.verified) for r in reports]
+    return [(r.bucket_bytes, r.verify, r.verified, r.num_tensors) for r in reports], dict(digests)
 
 
 def _single_process(tmp_path_factory, estimator, extras):
@@ -107,7 +114,7 @@ def _single_process(tmp_path_factory, estimator, extras):
         tmp = tmp_path_factory.mktemp(f"single_{estimator}")
         extra = [f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1", *key[1], *HANDOFF[estimator]]
         handoffs = run_distributed(_train_recording_handoffs, 1, TINY, _overrides(tmp, extra))
-        _single[key] = read_scalars(tmp), handoffs[0]
+        _single[key] = read_scalars(tmp), handoffs[0]  # (handoffs, digests)
     return _single[key]
 
 
@@ -188,11 +195,15 @@ def test_torchrun_layouts(tmp_path, tmp_path_factory, estimator, tp, pp, nproc):
 @pytest.mark.parametrize("estimator", sorted(HANDOFF))
 def test_weight_sync_keys_reach_the_handoff(tmp_path_factory, estimator):
     """rollout.verify_weights and rollout.update_weights_bucket_mb as the trainer hands them over, at start
-    and after the update (the single-process runs of test_torchrun_layouts, reused)."""
-    _, handoffs = _single_process(tmp_path_factory, estimator, [])
+    and after the update (the single-process runs of test_torchrun_layouts, reused): with exact, both sides
+    hash every tensor of both handoffs; with off, nothing is hashed."""
+    _, (handoffs, digests) = _single_process(tmp_path_factory, estimator, [])
     mb = 3 if estimator == "grpo" else 64
     verify = "exact" if estimator == "grpo" else "off"
-    assert handoffs == [(mb * 2 ** 20, verify, verify != "off")] * 2, handoffs
+    tensors = handoffs[0][3]
+    assert handoffs == [(mb * 2 ** 20, verify, verify != "off", tensors)] * 2 and tensors > 10, handoffs
+    expected = {("trainer", "exact"): 2 * tensors, ("engine", "exact"): 2 * tensors} if verify == "exact" else {}
+    assert digests == expected, digests
 
 
 @pytest.mark.slow
