@@ -88,6 +88,15 @@ def sample() -> tuple:
     return time.time(), os.getloadavg()[0]
 
 
+def wait_quiet(threshold: float = 2.5, max_s: float = 180, poll_s: float = 5) -> float:
+    """Wait (at most max_s) until the 1-minute load average is below threshold (on 2 cores: about our
+    own previous run and nothing else); the seconds waited."""
+    start = time.time()
+    while os.getloadavg()[0] >= threshold and time.time() - start < max_s:
+        time.sleep(poll_s)
+    return time.time() - start
+
+
 def _git(*args) -> str:
     import subprocess
 

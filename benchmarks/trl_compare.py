@@ -171,6 +171,7 @@ def alternate(c: Comparison, args) -> list:
     for i in range(args.rounds):
         rnd = {}
         for side in sides[i % len(sides):] + sides[:i % len(sides)]:
+            bl.wait_quiet()  # other work on the machine: wait a little for it (the stamp shows what was left)
             at = bl.sample()
             if side == "TRL":
                 trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
