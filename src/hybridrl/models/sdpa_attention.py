@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 MEM_EFFICIENT_ALIGNMENT = 16
-"""CUDA's memory-efficient kernel wants the mask's rows aligned to 16 elements (it pads a copy otherwise)."""
+"""Row stride of the mask on CUDA: torch pads a copy of it in every call (every layer) for the
+memory-efficient kernel unless its strides are multiples of 8 (`preprocess_mask`)."""
 
 _shared_mask: tuple = ()
 """(bool mask, its version, dtype, additive mask) of the last conversion, all but the numbers weakly held."""
