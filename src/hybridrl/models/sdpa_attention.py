@@ -41,8 +41,9 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     global _shared_mask
     if _shared_mask:
         source, version, cached_dtype, result = _shared_mask
-        if source() is mask and version == mask._version and cached_dtype == dtype and result() is not None:
-            return result()
+        cached = result()
+        if cached is not None and source() is mask and version == mask._version and cached_dtype == dtype:
+            return cached
     sq, sk = mask.shape[-2:]
     own = torch.arange(sk, device=mask.device) == torch.arange(sk - sq, sk, device=mask.device)[:, None]
     masked = mask & ~(mask.all(-1, keepdim=True) & own)
