@@ -32,8 +32,13 @@ TINY = os.path.join(bl.ROOT, "configs", "tiny_cpu.yaml")
 # ---- planned ---------------------------------------------------------------------------------------
 
 def _world(path: str, cfg) -> int:
-    m = re.search(r"^# launch: nodes=(\d+)$", open(path).read(), re.M)
-    return int(m.group(1)) * cfg.parallel.gpus_per_node if m else 1
+    """The `# launch: nodes=N` world, else the `torchrun --nproc_per_node=N` of the config's header, else 1."""
+    text = open(path).read()
+    m = re.search(r"^# launch: nodes=(\d+)$", text, re.M)
+    if m:
+        return int(m.group(1)) * cfg.parallel.gpus_per_node
+    m = re.search(r"^#.*--nproc_per_node=(\d+)", text, re.M)
+    return int(m.group(1)) if m else 1
 
 
 def planned(cfg, world: int, vocab: int = 0, overhead: bool = True) -> dict:
@@ -152,7 +157,8 @@ def report(plan_rows, meas: dict) -> tuple:
     gpu_verdict = "met (planned)" if ratio_of(worst_gpu) <= 0.55 else "missed (planned)"
     samples = meas["hybrid"]["samples"] + meas["two_copy"]["samples"]
     text = ("## Memory: hybrid engine vs a two-copy layout\n\n"
-            "Planned per-GPU peak (GiB, `hybridrl.planner.plan.estimate`, each config at its `# launch` world size; "
+            "Planned per-GPU peak (GiB, `hybridrl.planner.plan.estimate`, each config at its `# launch` world size "
+            "(a CPU demo at its torchrun process count); "
             "two-copy = training state with no offload + inference copy, see `bench_memory.py`). These ratios are "
             "the planner compared with itself (both sides planned, nothing measured on a GPU):\n\n"
             + bl.table(["config", "GPUs", "rollout", "hybrid peak (phase)", "training", "inference copy",
