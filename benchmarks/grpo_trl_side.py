@@ -11,7 +11,6 @@ generate_s times `_generate_single_turn` (HF generate), score_s all of
 4 samples x 32 new tokens per step, one AdamW step per generation (on-policy, so TRL skips the
 old-log-prob forward), fp32, no gradient checkpointing, no KL (beta 0), T=1.
 """
-import gc
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
+    from gc_timer import time_gc
     from trivial_reward import trl_reward
 
     class StepTimer(transformers.TrainerCallback):
@@ -49,7 +49,7 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
                 self.lengths.append(logs["completions/mean_length"])
 
     gc_s = []
-    _time_gc(gc_s)
+    time_gc(gc_s)
     prompts = json.load(open(prompts_json))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -70,18 +70,6 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     wall_s = [b - a for a, b in zip(timer.marks, timer.marks[1:])]  # step end to step end: all of the loop
     print(json.dumps({"step_s": timer.step_s, "wall_s": wall_s, "gc_s": gc_s[:len(wall_s)],
                       "completion_len": timer.lengths, **parts}))
-
-
-def _time_gc(sink: list) -> None:
-    """Add the seconds of every garbage collection to sink[-1] (the current step's window)."""
-    started = []
-
-    def on_gc(phase, info):
-        if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started and sink:
-            sink[-1] += time.perf_counter() - started[0]
-    gc.callbacks.append(on_gc)
 
 
 def _timed(fn, sink: list):

@@ -12,7 +12,6 @@ penalty k1 x 0.05 in the reward, GAE gamma 1 lam 0.95, clip 0.2, value clip 0.2,
 TRL's PPO needs a reward *model*: `DigitShareRewardModel` scores the share of digit characters in
 the decoded response, the trivial reward the hybridrl side uses (checked equal on the first batch).
 """
-import gc
 import json
 import sys
 import time
@@ -71,6 +70,7 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as module
 
+    from gc_timer import time_gc
     from trivial_reward import digit_share
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, padding_side="left")
@@ -92,7 +92,7 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
         seed=1, dataloader_num_workers=0, disable_tqdm=True)
     parts = {"batch_generation": [], "get_reward": [], "gc": []}
     _timers(module, parts)
-    _time_gc(parts["gc"])
+    time_gc(parts["gc"])
     marks, lengths = [], []
 
     class StepTimer(transformers.TrainerCallback):
@@ -117,18 +117,6 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     print(json.dumps({"step_s": step_s, "wall_s": step_s, "gc_s": gc_s, "completion_len": lengths[:len(step_s)],
                       "generate_s": gen, "score_s": score,
                       "train_s": [s - g - r - c for s, g, r, c in zip(step_s, gen, score, gc_s)]}))
-
-
-def _time_gc(sink: list) -> None:
-    """Add the seconds of every garbage collection to sink[-1] (the current step's window)."""
-    started = []
-
-    def on_gc(phase, info):
-        if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started and sink:
-            sink[-1] += time.perf_counter() - started[0]
-    gc.callbacks.append(on_gc)
 
 
 def _check_reward(reward, tokenizer, digit_share):
