@@ -98,3 +98,17 @@ def mcore_logits(model, spec, groups, batch, padding=None) -> torch.Tensor | Non
         return None
     full = gather_vocab(outs[0]["output"], groups)[..., :spec.vocab_size]
     return full if groups.tp_rank == 0 else None
+
+
+def hf_greedy(model, prompts: list, new: int, eos=None) -> torch.Tensor:
+    """transformers generate(do_sample=False) on left-padded `prompts` (pad 0): the [n, new] generated ids;
+    with no `eos` every row runs the full `new` tokens."""
+    import transformers
+
+    length = max(map(len, prompts))
+    ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new if eos is None
+                                           else 0, pad_token_id=0, eos_token_id=eos)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=attn, generation_config=config)[:, length:]

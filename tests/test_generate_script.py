@@ -59,14 +59,10 @@ def _read(out):
 def _hf_generate(folder, prompts, eos=None):
     import transformers
 
+    from models_helper import hf_greedy
+
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    length = max(map(len, prompts))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts])
-    attn = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW if eos is None
-                                           else 0, pad_token_id=0, eos_token_id=eos)
-    with torch.no_grad():
-        rows = model.generate(input_ids=ids, attention_mask=attn, generation_config=config)[:, length:].tolist()
+    rows = hf_greedy(model, prompts, NEW, eos).tolist()
     stops = [eos] if isinstance(eos, int) else eos or []
     ends = [min([row.index(s) + 1 for s in stops if s in row] or [len(row)]) for row in rows]
     return [row[:end] for row, end in zip(rows, ends)]

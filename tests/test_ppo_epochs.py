@@ -67,32 +67,38 @@ def _batch(folder, rm_folder):
             "returns": (values + 0.3 * torch.randn(B, R, generator=g)) * mask}
 
 
+def _optimizer_steps(batch):
+    """(rows, masked mean over their response tokens) of each optimizer step: consecutive mini-batches, epochs
+    over them."""
+    for _ in range(EPOCHS):
+        for start in range(0, B, MINI):
+            rows = slice(start, start + MINI)
+            m = batch["response_mask"][rows]
+            yield rows, lambda x, m=m: (x * m).sum() / m.sum()
+
+
 def _reference(folder, batch):
     """The PPO update written out: consecutive mini-batches, epochs over them, one AdamW step each."""
     model = _hf_model(folder).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     steps = []
-    for _ in range(EPOCHS):
-        for start in range(0, B, MINI):
-            rows = slice(start, start + MINI)
-            m = batch["response_mask"][rows]
-            mean = lambda x: (x * m).sum() / m.sum()
-            lp, ent = _token_stats(model, batch, rows)
-            adv, old = batch["advantages"][rows], batch["old_log_probs"][rows]
-            ratio = torch.exp(lp - old)
-            unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - LOW, 1 + HIGH)
-            pg = torch.maximum(unclipped, clipped)
-            pg = torch.where(adv < 0, torch.minimum(pg, -adv * DUAL), pg)
-            d = (batch["ref_log_probs"][rows] - lp).clamp(-20, 20)  # k3 and its clamps (verl's low_var_kl)
-            kl = mean((torch.exp(d) - d - 1).clamp(-10, 10))
-            pg_loss, entropy = mean(pg), mean(ent)
-            opt.zero_grad()
-            (pg_loss - ENT * entropy + KL * kl).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
-            opt.step()
-            steps.append({"pg_loss": pg_loss.item(), "pg_clipfrac": mean((clipped > unclipped).float()).item(),
-                          "ppo_kl": mean(old - lp).item(), "entropy": entropy.item(), "kl_loss": kl.item(),
-                          "grad_norm": norm.item()})
+    for rows, mean in _optimizer_steps(batch):
+        lp, ent = _token_stats(model, batch, rows)
+        adv, old = batch["advantages"][rows], batch["old_log_probs"][rows]
+        ratio = torch.exp(lp - old)
+        unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1 - LOW, 1 + HIGH)
+        pg = torch.maximum(unclipped, clipped)
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * DUAL), pg)
+        d = (batch["ref_log_probs"][rows] - lp).clamp(-20, 20)  # k3 and its clamps (verl's low_var_kl)
+        kl = mean((torch.exp(d) - d - 1).clamp(-10, 10))
+        pg_loss, entropy = mean(pg), mean(ent)
+        opt.zero_grad()
+        (pg_loss - ENT * entropy + KL * kl).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        opt.step()
+        steps.append({"pg_loss": pg_loss.item(), "pg_clipfrac": mean((clipped > unclipped).float()).item(),
+                      "ppo_kl": mean(old - lp).item(), "entropy": entropy.item(), "kl_loss": kl.item(),
+                      "grad_norm": norm.item()})
     return steps, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -114,21 +120,17 @@ def _critic_reference(folder, batch):
     params = list(critic.parameters()) + [bias]
     opt = torch.optim.AdamW(params, lr=CRITIC_LR, eps=EPS, weight_decay=0.0)
     steps = []
-    for _ in range(EPOCHS):
-        for start in range(0, B, MINI):
-            rows = slice(start, start + MINI)
-            m = batch["response_mask"][rows]
-            mean = lambda x: (x * m).sum() / m.sum()
-            v, old, ret = _values(critic, bias, batch, rows), batch["values"][rows], batch["returns"][rows]
-            v_clipped = torch.maximum(torch.minimum(v, old + VALUE_CLIP), old - VALUE_CLIP)
-            unclipped, clipped = (v - ret) ** 2, (v_clipped - ret) ** 2
-            loss = 0.5 * mean(torch.maximum(unclipped, clipped))
-            opt.zero_grad()
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD)
-            opt.step()
-            steps.append({"vf_loss": loss.item(), "vf_clipfrac": mean((clipped > unclipped).float()).item(),
-                          "vpred_mean": mean(v.detach()).item(), "grad_norm": norm.item()})
+    for rows, mean in _optimizer_steps(batch):
+        v, old, ret = _values(critic, bias, batch, rows), batch["values"][rows], batch["returns"][rows]
+        v_clipped = torch.maximum(torch.minimum(v, old + VALUE_CLIP), old - VALUE_CLIP)
+        unclipped, clipped = (v - ret) ** 2, (v_clipped - ret) ** 2
+        loss = 0.5 * mean(torch.maximum(unclipped, clipped))
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD)
+        opt.step()
+        steps.append({"vf_loss": loss.item(), "vf_clipfrac": mean((clipped > unclipped).float()).item(),
+                      "vpred_mean": mean(v.detach()).item(), "grad_norm": norm.item()})
     weights = {k: v.detach() for k, v in critic.state_dict().items()}
     return steps, {**weights, "score.bias": bias.detach()}
 

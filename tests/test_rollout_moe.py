@@ -74,15 +74,9 @@ def _hf_model(folder):
 
 
 def _hf_greedy(folder):
-    import transformers
+    from models_helper import hf_greedy
 
-    length = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
-    attn = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                                           pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        return _hf_model(folder).generate(input_ids=ids, attention_mask=attn, generation_config=config)[:, length:]
+    return hf_greedy(_hf_model(folder), PROMPTS, NEW)
 
 
 def _trainer_rows(out, n: int):

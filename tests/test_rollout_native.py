@@ -118,15 +118,10 @@ def hf_greedy(hf_folder):
     """transformers generate(do_sample=False) on the same left-padded prompts."""
     import transformers
 
+    from models_helper import hf_greedy as greedy
+
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
-    length = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in PROMPTS])
-    attn = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in PROMPTS])
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                                           pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config)
-    return out[:, length:]
+    return greedy(model, PROMPTS, NEW)
 
 
 @pytest.mark.distributed
