@@ -185,38 +185,48 @@ def test_a_verified_parameter_can_still_be_offloaded(mode):
     assert torch.equal(p, want)
 
 
-def _mixed_precision(cls, attr: str, n: int):
-    """A megatron mixed-precision optimizer holding fp32 master copies under `attr`, with Adam state.
-    Its constructor needs CUDA (it type-checks torch.cuda tensors); the attributes set here are the
-    ones it sets (optimizer.py / distrib_optimizer.py in megatron-core 0.16)."""
-    masters = [torch.randn(n, requires_grad=True)]
-    adam = torch.optim.Adam(masters)
-    masters[0].grad = torch.ones(n)
-    adam.step()
-    opt = cls.__new__(cls)
-    opt.optimizer = adam
-    setattr(opt, attr, [masters])
-    return opt, masters[0]
+def _master_copies_run(distributed: bool):
+    """A bf16 role with megatron's real mixed-precision optimizer (its distributed one when asked), one update
+    made so Adam's moments exist; the role's own wrapper (workers.optim.MegatronOptimizer around megatron's
+    ChainedOptimizer) is what the offload is handed."""
+    from megatron_roles import backward, megatron_on_cpu, megatron_role
 
+    from hybridrl.parallel.distributed import init_model_parallel
 
-def test_optimizer_offload_finds_fp32_master_copies_through_the_role_wrapper():
-    """bf16 training keeps 4 of Adam's 12 B/param in megatron's fp32 master copies; the role hands its
-    own wrapper (workers.optim.MegatronOptimizer around megatron's ChainedOptimizer) to the offload."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params
-
-    from hybridrl.workers.optim import MegatronOptimizer
-
-    dense, dense_master = _mixed_precision(Float16OptimizerWithFloat16Params, "fp32_from_float16_groups", 6)
-    sharded, sharded_master = _mixed_precision(DistributedOptimizer, "shard_fp32_from_float16_groups", 10)
-    role = MegatronOptimizer.__new__(MegatronOptimizer)
-    role.optimizer = ChainedOptimizer([dense, sharded])
+    init_model_parallel(1, 1)
+    module, role = megatron_role("bfloat16", distributed)
+    backward(module, role, 0)
+    with megatron_on_cpu():
+        role.step()
+    members = role.optimizer.chained_optimizers
+    attr = "shard_fp32_from_float16_groups" if distributed else "fp32_from_float16_groups"
+    names = {"members": [type(m).__name__ for m in members],
+             "has_masters": all(hasattr(m, attr) for m in members),
+             "has_torch_optimizer": all(isinstance(getattr(m, "optimizer", None), torch.optim.Optimizer)
+                                        for m in members)}
+    masters = [t for m in members for group in getattr(m, attr, []) for t in group]
+    moments = [v for m in members for st in m.optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.numel() > 1]
     found = {id(t.untyped_storage()) for t in optimizer_tensors(role)}
-    adam_states = [v for o in (dense, sharded) for s in o.optimizer.state.values() for v in s.values()]
-    assert {id(dense_master.untyped_storage()), id(sharded_master.untyped_storage())} <= found
-    assert {id(t.untyped_storage()) for t in adam_states} <= found
-    off = Offloader(torch.nn.Linear(1, 1), role, OffloadConfig(optimizer=True))
-    off.offload()
-    assert dense_master.untyped_storage().nbytes() == sharded_master.untyped_storage().nbytes() == 0
+    snap = _snapshot(masters + moments)
+    off = Offloader(module, role, OffloadConfig(optimizer=True))
+    moved = off.offload()["offload/optimizer_bytes"]
+    freed = all(t.untyped_storage().nbytes() == 0 for t in masters + moments)
     off.onload()
-    assert dense_master.untyped_storage().nbytes() == 6 * 4
+    _assert_restored(snap)
+    return {**names, "n_masters": len(masters), "n_moments": len(moments), "freed": freed, "moved": moved,
+            "all_found": {id(t.untyped_storage()) for t in masters + moments} <= found,
+            "bytes": sum(t.numel() * t.element_size() for t in masters + moments)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("distributed", [False, True])
+def test_optimizer_offload_finds_fp32_master_copies_through_the_role_wrapper(distributed):
+    """bf16 training keeps 4 of Adam's 12 B/param in megatron's fp32 master copies. The offload reads
+    megatron's attribute names (chained_optimizers, optimizer, [shard_]fp32_from_float16_groups) from objects
+    megatron-core really constructed, so an upgrade that renames one fails here."""
+    res = run_distributed(_master_copies_run, 1, distributed)[0]
+    assert res["members"] == ["DistributedOptimizer" if distributed else "Float16OptimizerWithFloat16Params"]
+    assert res["has_masters"] and res["has_torch_optimizer"]
+    assert res["n_masters"] > 0 and res["n_moments"] > 0 and res["all_found"]
+    assert res["freed"] and res["moved"] >= res["bytes"]

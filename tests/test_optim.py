@@ -1,74 +1,23 @@
 """The trainable roles' optimizers (workers/optim.py): megatron-core's on the CPU, and torch AdamW.
 
-megatron's mixed-precision and distributed optimizers run here on gloo as they would on a GPU
-without Transformer Engine or apex (torch's AdamW inside, megatron's local multi-tensor fallbacks):
-`_megatron_on_cpu` maps their literal CUDA devices to the CPU and answers their type checks
-(`param.type() == "torch.cuda.FloatTensor"`) with the CUDA names. Checked: a checkpoint written before
-the first update (and one after it) resumes into a fresh optimizer and continues exactly; a NaN
-gradient stops the step as on the CPU path; norms and biases are not weight-decayed on either path.
+megatron's mixed-precision and distributed optimizers run on gloo (tests/megatron_roles.py). Checked: a
+checkpoint written before the first update (and one after it) resumes into a fresh optimizer and continues
+exactly; a NaN gradient stops the step as on the CPU path; norms and biases are not weight-decayed on either path.
 """
-import contextlib
-import dataclasses
 import types
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from dist_helper import run_distributed
-
-SPEC = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-            vocab_size=100, qkv_bias=True)
-
-
-class _CudaTypeNames(TorchFunctionMode):
-    """`tensor.type()` answers "torch.cuda.FloatTensor" for a CPU float tensor (megatron's type checks)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and ".cuda." not in out:
-            return out.replace("torch.", "torch.cuda.", 1)
-        return out
-
-
-@contextlib.contextmanager
-def _megatron_on_cpu():
-    from hybridrl.parallel.cpu_compat import cuda_to_cpu
-
-    with cuda_to_cpu(), _CudaTypeNames():
-        yield
-
-
-def _role(dtype: str, distributed: bool, optim=None):
-    """A tiny GPT in megatron DDP with megatron's optimizer: (module, MegatronOptimizer)."""
-    from hybridrl.config import Config, OptimConfig
-    from hybridrl.models.gpt import DTYPES, GPTSpec, build_gpt
-    from hybridrl.trainer.roles import wrap_trainable
-    from hybridrl.workers.optim import MegatronOptimizer
-
-    cfg = Config()
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, use_distributed_optimizer=distributed))
-    module = wrap_trainable(build_gpt(GPTSpec(**SPEC), 1, 1, 0, dtype), cfg)
-    with _megatron_on_cpu():
-        opt = MegatronOptimizer(module, optim or OptimConfig(lr=1e-2, weight_decay=0.1), distributed, 10,
-                                DTYPES[dtype])
-    return module, opt
-
-
-def _backward(module, opt, seed: int) -> None:
-    from hybridrl.models.forward import pipeline_forward
-
-    ids = torch.randint(0, SPEC["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(seed))
-    module.zero_grad_buffer()
-    opt.zero_grad()
-    pipeline_forward(module, [{"input_ids": ids}], lambda out, mb: (out.float().pow(2).mean(), {}), forward_only=False)
+from megatron_roles import backward, megatron_on_cpu, megatron_role
 
 
 def _train(module, opt, seeds) -> list:
     out = []
     for seed in seeds:
-        _backward(module, opt, seed)
-        with _megatron_on_cpu():
+        backward(module, opt, seed)
+        with megatron_on_cpu():
             out.append(opt.step()[0])
     return out
 
@@ -84,18 +33,18 @@ def _resume_run(dtype: str, distributed: bool, folder: str):
     results = {}
     for saved_after in (0, 1):
         path = f"{folder}/after_{saved_after}"
-        module, opt = _role(dtype, distributed)
+        module, opt = megatron_role(dtype, distributed)
         _train(module, opt, range(saved_after))
         worker = types.SimpleNamespace(engine=types.SimpleNamespace(module=module), optimizer=opt)
         if dist.get_rank() == 0:
             import os
             os.makedirs(path)
         dist.barrier()
-        with _megatron_on_cpu():
+        with megatron_on_cpu():
             save_role(worker, path, False)
         updated = _train(module, opt, [5, 6])
-        fresh, fresh_opt = _role(dtype, distributed)
-        with _megatron_on_cpu():
+        fresh, fresh_opt = megatron_role(dtype, distributed)
+        with megatron_on_cpu():
             load_role(types.SimpleNamespace(engine=types.SimpleNamespace(module=fresh), optimizer=fresh_opt),
                       path, "actor")
         resumed = _train(fresh, fresh_opt, [5, 6])
@@ -120,12 +69,12 @@ def _nan_run(dtype: str, distributed: bool):
     from hybridrl.workers.update import finish_step
 
     init_model_parallel(1, 1)
-    module, opt = _role(dtype, distributed)
-    _backward(module, opt, 0)
+    module, opt = megatron_role(dtype, distributed)
+    backward(module, opt, 0)
     next(p for p in module.parameters() if p.dim() == 2).main_grad[0, 0] = float("nan")
     before = [p.detach().clone() for p in module.parameters()]
     engine = types.SimpleNamespace(groups=types.SimpleNamespace(dp=1))
-    with _megatron_on_cpu():
+    with megatron_on_cpu():
         try:
             finish_step(engine, opt, [{"actor/pg_loss": 0.5, "finite": True}], "actor")
             error = None
@@ -158,10 +107,10 @@ def _megatron_decay_run(dtype: str, distributed: bool):
     from hybridrl.parallel.distributed import init_model_parallel
 
     init_model_parallel(1, 1)
-    module, opt = _role(dtype, distributed, OptimConfig(lr=0.1, weight_decay=0.5))
+    module, opt = megatron_role(dtype, distributed, OptimConfig(lr=0.1, weight_decay=0.5))
     module.zero_grad_buffer()
     before = {n: p.detach().float().clone() for n, p in module.named_parameters()}
-    with _megatron_on_cpu():
+    with megatron_on_cpu():
         updated = opt.step()[0]
     return updated, before, {n: p.detach().float().clone() for n, p in module.named_parameters()}
 
