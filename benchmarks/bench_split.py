@@ -176,18 +176,32 @@ def section(c, runs, args, stamp: dict) -> str:
                       "staleness", "load 1-min before", "other CPU (cores)", "commit", "date"], rows)
     stage_rows = [[label, k, f"{x:.3f}"] for label, v in s.items() for k, x in v["stages"].items()]
     best = min((v["median"], k) for k, v in s.items() if k.startswith("split"))
+    rows_stamp = stamp["cells"]
     verdicts = [f"split <= 0.6x colocated: best split side ({best[1]}) **{best[0] / colo:.2f}x** "
                 f"({'met' if best[0] / colo <= 0.6 else 'missed'})"]
+    summary_rows = [[f"{c.name.upper()} split step <= 0.6x colocated", f"best split side ({best[1]}) "
+                     f"**{best[0] / colo:.2f}x** ({best[0]:.3f} s vs {colo:.3f} s, wall window)",
+                     _verdict(best[0] / colo, 0.6)] + rows_stamp]
     if trl:
         fastest = min((v["median"], k) for k, v in s.items() if k != "TRL")
         verdicts.append(f"<= 0.5x TRL: best hybridrl side ({fastest[1]}) **{fastest[0] / trl:.2f}x** "
                         f"({'met' if fastest[0] / trl <= 0.5 else 'missed'})")
-    ov = [(v["overlap"], k) for k, v in s.items() if k.startswith("split s=1")]
+    ov = [(v["overlap"], k) for k, v in s.items() if k.startswith("split s=1") and v["overlap"] is not None]
     verdicts += [f"overlap > 85% ({k}): **{_pct(o)}**, {_pct(s[k]['nosync'])} without the weight sync "
                  f"({'met' if o > 0.85 else 'missed'})" for o, k in ov]
-    return (f"### {c.name.upper()} ({c.setup})\n\n{table}\n\n" + "; ".join(verdicts) + ".\n\n"
+    if ov:
+        o, k = max(ov)
+        summary_rows.append([f"{c.name.upper()} split s=1 overlap > 85%", f"best **{_pct(o)}** ({k}), "
+                             f"{_pct(s[k]['nosync'])} without the weight sync",
+                             "met" if o > 0.85 else f"missed by {100 * (0.85 - o):.0f} points"] + rows_stamp)
+    text = (f"### {c.name.upper()} ({c.setup})\n\n{table}\n\n" + "; ".join(verdicts) + ".\n\n"
             f"<details><summary>{c.name.upper()} stage medians of the hybridrl sides (timing_s/*, trainer rank)"
             f"</summary>\n\n" + bl.table(["side", "stage", "s"], stage_rows) + "\n\n</details>")
+    return text, summary_rows
+
+
+def _verdict(ratio: float, target: float) -> str:
+    return "met" if ratio <= target else f"missed: {ratio / target:.1f}x off the target"
 
 
 def picture(png: str, steps: int, stream: int) -> None:
@@ -222,11 +236,8 @@ def main() -> None:
     WAIT_MIN[0] = args.wait_min
     quiet = wait_quiet(threshold=0.7)
     print(quiet, flush=True)
-    commit = subprocess.run(["git", "-C", bl.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", bl.ROOT, "status", "--porcelain", "src"], capture_output=True, text=True)
-    stamp = {"commit": commit.stdout.strip() + ("+dirty src" if dirty.stdout.strip() else ""),
-             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    parts = []
+    started = bl.sample()
+    parts, summary_rows = [], []
     for c, stream in ((GRPO, args.stream_grpo), (PPO, args.stream_ppo)):
         if c.name in args.algos.split(","):
             trl_python = None if args.no_trl else os.path.join(bl.ROOT, c.trl_venv, "bin", "python")
@@ -234,7 +245,12 @@ def main() -> None:
                 print(f"no {trl_python}: {c.name} runs without its TRL side", flush=True)
                 trl_python = None
             runs = rounds(c, args, [int(m) for m in stream.split(",")], trl_python)
-            parts.append(section(c, runs, args, stamp))
+            loads = [side["load"] for r in runs for side in r.values()]
+            stamp = {"commit": bl.commit(), "date": bl.stamp([started])[2],
+                     "cells": bl.stamp([started] + [(started[0], x) for x in loads])}
+            text, rows = section(c, runs, args, stamp)
+            parts.append(text)
+            summary_rows += rows
     text = ("## Split placement: split vs colocated vs TRL\n\n"
             f"Wall seconds per step (consecutive steps' log events; steps 2..{args.steps} of each run; {args.rounds} "
             "rounds of the sides in the order listed), same model, batch and 2 cores for every side. "
@@ -242,7 +258,7 @@ def main() -> None:
             "(cores, the worst run of the side).\n\n" + "\n\n".join(parts))
     print(text)
     if not args.no_write:
-        bl.write_section("split", text)
+        bl.write_section("split", text, summary=summary_rows)
 
 
 if __name__ == "__main__":
