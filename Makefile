@@ -59,7 +59,8 @@ verl-reference: $(VERL_STAMP)
 # Benchmarks on CPU, one command: the side environments the TRL comparisons need (made once, reused when
 # present: .venv-bench with TRL 1.16 for GRPO, .venv-bench-trl100 with TRL 1.0, the last with PPOTrainer),
 # then every CPU benchmark in turn; each rewrites its section of benchmarks/RESULTS.md and its Summary rows.
-# `make bench BENCHES="bench_reshard bench_memory"` runs some of them. About 45 min on 2 cores.
+# `make bench BENCHES="bench_reshard bench_memory"` runs some of them. 18 min on 2 cores from a fresh clone
+# (2026-12-06, side environments included).
 .PHONY: bench bench-envs
 BENCHES ?= bench_rollout bench_reshard bench_memory bench_grpo_vs_trl bench_ppo_vs_trl bench_split \
 	bench_micro_batches profile_demo ablate_demo
