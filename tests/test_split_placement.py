@@ -47,19 +47,54 @@ def _assert_same_run(a, b, steps, rel=1e-5):
     assert compared >= 20 * len(steps)
 
 
+# PPO with a critic and KL in the reward, checkpoints at steps 2 and 4: run once colocated and once split (1 trainer
+# + 1 rollout rank), shared by the tests below as references and as checkpoints to resume from
+GAE = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.save_freq=2"]
+# GRPO at a learning rate that moves the policy visibly in one step
+GRPO = ["actor.optim.lr=5e-3"]
+
+
+@pytest.fixture(scope="module")
+def gae_colocated(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gae_colocated")
+    _colocated(tmp, GAE + ["trainer.total_training_steps=4", f"trainer.export_hf_dir={tmp}/hf"])
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def gae_split(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gae_split")
+    _torchrun(tmp, 2, GAE + SPLIT + ["trainer.total_training_steps=4", f"trainer.export_hf_dir={tmp}/hf"])
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def grpo_colocated(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo_colocated")
+    _colocated(tmp, GRPO + ["trainer.total_training_steps=3"])
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def grpo_one_step_off(tmp_path_factory):
+    """Split at staleness 1 for 6 steps, a checkpoint at step 3."""
+    tmp = tmp_path_factory.mktemp("grpo_one_step_off")
+    _torchrun(tmp, 2, GRPO + SPLIT + ["async_training.staleness_threshold=1", "trainer.save_freq=3",
+                                      "trainer.total_training_steps=6"])
+    return tmp
+
+
 @pytest.mark.slow
-def test_split_synchronous_equals_colocated(tmp_path):
+def test_split_synchronous_equals_colocated(gae_colocated, gae_split, tmp_path):
     """PPO (critic on the actor's ranks, KL in the reward): 1 trainer + 1 rollout rank give the colocated
-    run's metrics at every step and its parameters after 3 steps."""
-    common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.total_training_steps=3"]
-    _colocated(tmp_path / "colocated", common + [f"trainer.export_hf_dir={tmp_path}/colocated/hf"])
-    _torchrun(tmp_path / "split", 2, common + SPLIT + [f"trainer.export_hf_dir={tmp_path}/split/hf"])
-    _torchrun(tmp_path / "streamed", 2, common + SPLIT + ["async_training.stream_prompts=1"])
-    one, two = read_scalars(tmp_path / "colocated"), read_scalars(tmp_path / "split")
-    _assert_same_run(one, two, (1, 2, 3))
-    _assert_same_run(one, read_scalars(tmp_path / "streamed"), (1, 2, 3))  # chunks of one prompt, s = 0
-    assert two["rollout/staleness/max"] == {1: 0.0, 2: 0.0, 3: 0.0}
-    a, b = _hf_weights(tmp_path / "colocated" / "hf"), _hf_weights(tmp_path / "split" / "hf")
+    run's metrics at every step and its parameters after 4 steps; so do chunks of one prompt at s = 0."""
+    _torchrun(tmp_path / "streamed", 2, GAE + SPLIT + ["async_training.stream_prompts=1",
+                                                       "trainer.total_training_steps=3"])
+    one, two = read_scalars(gae_colocated), read_scalars(gae_split)
+    _assert_same_run(one, two, (1, 2, 3, 4))
+    _assert_same_run(one, read_scalars(tmp_path / "streamed"), (1, 2, 3))
+    assert two["rollout/staleness/max"] == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}
+    a, b = _hf_weights(gae_colocated / "hf"), _hf_weights(gae_split / "hf")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -85,31 +120,27 @@ def test_streamed_chunks_give_the_whole_batch_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_split_training_tp2_with_two_engine_replicas(tmp_path):
+def test_split_training_tp2_with_two_engine_replicas(grpo_colocated, tmp_path):
     """2 trainers at TP 2 stream TP-gathered weights to 2 rollout ranks, each its own engine replica
     sharing the prompts; GRPO with streamed chunks of one prompt gives the colocated run."""
-    common = ["trainer.total_training_steps=2", "parallel.tensor_model_parallel_size=2"]
-    _colocated(tmp_path / "colocated", ["trainer.total_training_steps=2"])
-    _torchrun(tmp_path / "split", 4, common + ["placement.mode=split", "placement.rollout_world_size=2",
-                                               "async_training.stream_prompts=1"])
-    _assert_same_run(read_scalars(tmp_path / "colocated"), read_scalars(tmp_path / "split"), (1, 2))
+    _torchrun(tmp_path, 4, GRPO + ["trainer.total_training_steps=2", "parallel.tensor_model_parallel_size=2",
+                                   "placement.mode=split", "placement.rollout_world_size=2",
+                                   "async_training.stream_prompts=1"])
+    _assert_same_run(read_scalars(grpo_colocated), read_scalars(tmp_path), (1, 2))
 
 
 @pytest.mark.slow
-def test_one_step_off_policy(tmp_path):
+def test_one_step_off_policy(grpo_colocated, grpo_one_step_off):
     """Staleness 1: the first batch is colocated's; every later batch was generated one version behind
     the policy that trains on it (so the engine's log-probs now differ from the trainer's)."""
-    common = ["trainer.total_training_steps=3", "actor.optim.lr=5e-3"]
-    _colocated(tmp_path / "colocated", common)
-    _torchrun(tmp_path / "split", 2, common + SPLIT + ["async_training.staleness_threshold=1"])
-    one, two = read_scalars(tmp_path / "colocated"), read_scalars(tmp_path / "split")
+    one, two = read_scalars(grpo_colocated), read_scalars(grpo_one_step_off)
     _assert_same_run(one, two, (1,))
-    assert two["rollout/staleness/mean"] == {1: 0.0, 2: 1.0, 3: 1.0}
-    assert two["rollout/staleness/max"] == {1: 0.0, 2: 1.0, 3: 1.0}
+    later = range(2, 7)
+    assert two["rollout/staleness/mean"] == two["rollout/staleness/max"] == {1: 0.0, **{s: 1.0 for s in later}}
     assert two["rollout/logprob_diff_mean"][1] < 1e-5
-    assert min(two["rollout/logprob_diff_mean"][s] for s in (2, 3)) > 1e-3
+    assert min(two["rollout/logprob_diff_mean"][s] for s in later) > 1e-3
     overlap = two["perf/overlap"]  # each step's, known once the next batch brings the rollout's spans
-    assert set(overlap) == {2, 3} and all(0.0 <= v <= 1.0 for v in overlap.values()) and max(overlap.values()) > 0
+    assert set(overlap) == set(later) and all(0.0 <= v <= 1.0 for v in overlap.values()) and max(overlap.values()) > 0
 
 
 BAD = [
@@ -230,14 +261,13 @@ def _popen_torchrun(tmp, nproc, extra):
 
 
 @pytest.mark.slow
-def test_resume_at_staleness_one_is_bit_exact(tmp_path):
+def test_resume_at_staleness_one_is_bit_exact(grpo_one_step_off, tmp_path):
     """Killed after its step-3 checkpoint, a one-step off-policy run resumes with the batch that was in
     flight (generated from step 2's weights) and continues exactly as the run that was never stopped."""
     import signal
     import time
 
-    common = SPLIT + ["async_training.staleness_threshold=1", "actor.optim.lr=5e-3", "trainer.save_freq=3"]
-    _torchrun(tmp_path / "full", 2, common + ["trainer.total_training_steps=6"])
+    common = GRPO + SPLIT + ["async_training.staleness_threshold=1", "trainer.save_freq=3"]
     run = _popen_torchrun(tmp_path / "cut", 2, common + ["trainer.total_training_steps=1000"])
     published = tmp_path / "cut" / "ckpt" / "global_step_3" / "meta.json"
     try:
@@ -250,39 +280,38 @@ def test_resume_at_staleness_one_is_bit_exact(tmp_path):
         run.wait()
     assert (tmp_path / "cut" / "ckpt" / "global_step_3" / "in_flight.pt").exists()
     _torchrun(tmp_path / "cut", 2, common + ["trainer.total_training_steps=6"])
-    full, cut = read_scalars(tmp_path / "full"), read_scalars(tmp_path / "cut")
+    full, cut = read_scalars(grpo_one_step_off), read_scalars(tmp_path / "cut")
     _assert_same_run(full, cut, (4, 5, 6), rel=0.0)
     assert cut["rollout/staleness/mean"][4] == 1.0
 
 
+def _resume_from(checkpoint, tmp):
+    shutil.copytree(checkpoint, tmp / "ckpt" / checkpoint.name)
+    return tmp
+
+
 @pytest.mark.slow
-def test_checkpoints_cross_placements(tmp_path):
+def test_checkpoints_cross_placements(gae_colocated, gae_split, tmp_path):
     """A split run's checkpoint resumes colocated, and a colocated one resumes split, at another world size."""
-    common = ["algorithm.adv_estimator=gae", "trainer.save_freq=2"]
-    _colocated(tmp_path / "reference", common + ["trainer.total_training_steps=4"])
-    reference = read_scalars(tmp_path / "reference")
-    _torchrun(tmp_path / "a", 2, common + SPLIT + ["trainer.total_training_steps=2"])
-    _colocated(tmp_path / "a", common + ["trainer.total_training_steps=4"])
-    shutil.copytree(tmp_path / "reference" / "ckpt" / "global_step_2", tmp_path / "b" / "ckpt" / "global_step_2")
-    _torchrun(tmp_path / "b", 2, common + SPLIT + ["trainer.total_training_steps=4"])
+    steps = GAE + ["trainer.total_training_steps=4"]
+    _colocated(_resume_from(gae_split / "ckpt" / "global_step_2", tmp_path / "a"), steps)
+    _torchrun(_resume_from(gae_colocated / "ckpt" / "global_step_2", tmp_path / "b"), 2, steps + SPLIT)
+    reference = read_scalars(gae_colocated)
     for run in ("a", "b"):
         _assert_same_run(reference, read_scalars(tmp_path / run), (3, 4))
 
 
 @pytest.mark.slow
-def test_a_critic_of_its_own(tmp_path):
+def test_a_critic_of_its_own(gae_colocated, tmp_path):
     """PPO with the critic on 2 ranks of its own at TP 2 (values pass and update beside the actor's):
     the colocated step; its checkpoint (critic part written by the critic ranks) resumes colocated."""
-    common = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2"]
-    _colocated(tmp_path / "reference", common + ["trainer.total_training_steps=3"])
-    _torchrun(tmp_path / "split", 4, common + SPLIT + [
-        "placement.critic_world_size=2", "critic.tensor_model_parallel_size=2", "trainer.total_training_steps=2",
-        "trainer.save_freq=2"])
-    reference, split = read_scalars(tmp_path / "reference"), read_scalars(tmp_path / "split")
-    _assert_same_run(reference, split, (1, 2))
-    assert (tmp_path / "split" / "ckpt" / "global_step_2" / "critic").is_dir()
-    _colocated(tmp_path / "split", common + ["trainer.total_training_steps=3"])
-    _assert_same_run(reference, read_scalars(tmp_path / "split"), (3,))
+    _torchrun(tmp_path, 4, GAE + SPLIT + ["placement.critic_world_size=2", "critic.tensor_model_parallel_size=2",
+                                          "trainer.total_training_steps=2"])
+    reference = read_scalars(gae_colocated)
+    _assert_same_run(reference, read_scalars(tmp_path), (1, 2))
+    assert (tmp_path / "ckpt" / "global_step_2" / "critic").is_dir()
+    _colocated(tmp_path, GAE + ["trainer.total_training_steps=4"])
+    _assert_same_run(reference, read_scalars(tmp_path), (3, 4))
 
 
 @pytest.mark.slow
