@@ -11,7 +11,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "hybridrl"
 
 RANK = {
-    "config": 0, "parallel": 0, "algos": 0, "metrics": 0, "tokenizer": 0, "log": 0, "timeline": 0,
+    "config": 0, "parallel": 0, "algos": 0, "metrics": 0, "tokenizer": 0, "log": 0, "timeline": 0, "_startup": 0,
     "rewards": 1,
     "models": 2,
     "checkpoint": 3, "placement": 3,

@@ -318,11 +318,12 @@ def test_a_critic_of_its_own(gae_colocated, tmp_path):
 def test_partial_rollout_takes_new_weights_mid_generation(tmp_path):
     """Staleness 1 with partial rollout: update k's weights reach the engine between two decode steps of
     batch k+1, so the rows it starts afterwards (few KV slots: rows start in waves) are not stale; a row
-    keeps the oldest version that produced any of its tokens. One KV slot makes generation (8 rows of up to
-    32 tokens, one after another) much longer than the tiny update, so the weights land mid-generation."""
+    keeps the oldest version that produced any of its tokens. One KV slot makes generation (16 rows of up to
+    32 tokens, one after another) much longer than the tiny update, so the weights land mid-generation, also
+    on a machine busy with other work (each decode step is a batch-1 forward; the update is two batched ones)."""
     _torchrun(tmp_path, 2, SPLIT + ["async_training.staleness_threshold=1", "async_training.partial_rollout=true",
-                                    "data.max_response_length=32", "rollout.max_num_seqs=1",
-                                    "trainer.total_training_steps=5"])
+                                    "data.train_batch_size=8", "data.max_response_length=32",
+                                    "rollout.max_num_seqs=1", "trainer.total_training_steps=5"])
     scalars = read_scalars(tmp_path)
     mean, worst = scalars["rollout/staleness/mean"], scalars["rollout/staleness/max"]
     assert mean[1] == 0.0 and worst[1] == 0.0
