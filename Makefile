@@ -37,13 +37,14 @@ demo-moe: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=2 scripts/train_sft.py --config configs/tiny_cpu_moe.yaml $(ARGS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=2 scripts/train_ppo.py --config configs/tiny_cpu_moe.yaml model.path=outputs/tiny_cpu_moe/sft_hf $(ARGS)
 
-# two pytest-xdist workers, whole modules each (module fixtures run once); TEST_WORKERS=0 runs in one process
+# two pytest-xdist workers: each starts on its half of the tests in collection order and, once idle, takes
+# tests from the end of the other's share (worksteal); TEST_WORKERS=0 runs in one process
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 # the reference data of tests/test_verl_parity.py, from verl 0.9.1 itself in a side venv (never .venv)
 VERL_VENV ?= .venv-verl

@@ -1,8 +1,9 @@
 """Suite-wide order: the modules with the most slow tests run first.
 
-`make test` runs the suite on two pytest-xdist workers, each taking whole modules in collection order
-(`--dist loadscope`, so a module's shared fixtures run once). Starting with the long end-to-end modules
-lets the short ones fill in beside them, instead of one long module running alone at the end.
+`make test` runs the suite on two pytest-xdist workers (`--dist worksteal`): each starts on its share of the
+tests in collection order and takes tests from the end of the other's share once idle. Long end-to-end modules
+first, short ones last, so the short ones are what gets balanced at the end rather than one long module left
+running alone; tests of one module stay mostly on one worker, so its module fixtures seldom run twice.
 """
 import collections
 
