@@ -4,7 +4,8 @@
 environment variables, initialises torch.distributed (gloo) and hybridrl's CPU patches, calls
 `fn(*args)` and returns the list of per-rank return values. `fn` must be a module-level function.
 Ranks are not daemonic, so a body may start processes of its own (megatron-core's checkpoint writers
-do); a rank still running when the test fails or times out is killed.
+do); a rank still running when the test fails or times out is killed. A launch whose free port another
+process took before rank 0 bound it (tests run on two workers) runs again once on another port.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, port_tries: int = 2):
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -94,6 +95,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
                 p.kill()
     if errors:
         rank = min(errors)
+        if port_tries > 1 and "EADDRINUSE" in errors[rank]:  # another process took the free port first
+            return run_distributed(fn, world_size, *args, timeout=timeout, port_tries=port_tries - 1)
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
     import torch
 

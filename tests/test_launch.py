@@ -31,3 +31,24 @@ def test_a_busy_master_port_is_one_error_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"MASTER_PORT={port}" in errors[0] and "free port" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_single_process_run_takes_another_port_when_its_choice_is_taken(tmp_path):
+    """Between choosing a free port and binding it another process may take it (two test workers starting
+    runs side by side did): the run takes another free port instead of failing."""
+    code = (
+        "import os, socket\n"
+        "import torch.distributed as dist\n"
+        "from hybridrl.parallel import distributed\n"
+        "busy = socket.socket(); busy.bind(('127.0.0.1', 0)); busy.listen()\n"
+        "taken, real = [busy.getsockname()[1]], distributed.free_port\n"
+        "distributed.free_port = lambda: taken.pop() if taken else real()\n"
+        "le = distributed.init_distributed(timeout_s=30)\n"
+        "print(dist.is_initialized(), le.master_port != busy.getsockname()[1],\n"
+        "      os.environ['MASTER_PORT'] == str(le.master_port))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT") and not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True", "True"]

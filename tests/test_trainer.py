@@ -42,11 +42,14 @@ def _train(config_path, overrides):
     return main_loop(load_config(config_path, overrides))
 
 
-def _torchrun(tmp, nproc, extra, timeout=300):
+def _torchrun(tmp, nproc, extra, timeout=300, port_tries=2):
+    """train_ppo.py under torchrun; once more on another port when another process took the free one first."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    if proc.returncode != 0 and port_tries > 1 and "EADDRINUSE" in proc.stderr:
+        return _torchrun(tmp, nproc, extra, timeout, port_tries - 1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

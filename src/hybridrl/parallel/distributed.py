@@ -114,10 +114,17 @@ def die_with_parent_if_spawned() -> None:
         _pdeathsig(os.getppid())
 
 
+PORT_TRIES = 5
+"""How many free ports a single-process run tries: another process may take the port between its choice
+and the bind (tests running side by side do)."""
+
+
 def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     """Initialise the default process group (idempotent) and the CPU patches when there is no CUDA."""
     die_with_parent()
+    chose_port = not os.environ.get("MASTER_PORT")  # a single-process run then picks a free one (launch_env)
     le = launch_env()
+    chose_port = chose_port and le.world_size == 1
     export_launch_env(le)
     cpu_compat.apply()
     if dist.is_initialized():
@@ -125,15 +132,23 @@ def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(le.local_rank)
-    try:
-        dist.init_process_group(backend, init_method=f"tcp://{le.master_addr}:{le.master_port}",
-                                rank=le.rank, world_size=le.world_size, timeout=timedelta(seconds=timeout_s))
-    except dist.DistNetworkError as err:
-        if "EADDRINUSE" not in str(err):
-            raise
-        raise LaunchError(f"MASTER_PORT={le.master_port} on {le.master_addr} is already in use (another run?); "
-                          f"set MASTER_PORT to a free port, or unset it in a single-process run to get one") from None
-    return le
+    tries = PORT_TRIES if chose_port else 1
+    for attempt in range(tries):
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{le.master_addr}:{le.master_port}",
+                                    rank=le.rank, world_size=le.world_size, timeout=timedelta(seconds=timeout_s))
+            return le
+        except dist.DistNetworkError as err:
+            if "EADDRINUSE" not in str(err):
+                raise
+            if attempt + 1 < tries:
+                le = LaunchEnv(le.rank, le.world_size, le.local_rank, le.master_addr, free_port())
+                os.environ["MASTER_PORT"] = str(le.master_port)
+    if chose_port:
+        raise LaunchError(f"{PORT_TRIES} free ports in a row were taken before this run could bind them; "
+                          f"set MASTER_PORT to a port no other process uses")
+    raise LaunchError(f"MASTER_PORT={le.master_port} on {le.master_addr} is already in use (another run?); "
+                      f"set MASTER_PORT to a free port, or unset it in a single-process run to get one")
 
 
 class LaunchError(RuntimeError):
