@@ -28,16 +28,25 @@ class Heartbeats:
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.period_s, self.count = period_s, 0
-        threading.Thread(target=self._beat, name="hybridrl-heartbeat", daemon=True).start()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hybridrl-heartbeat", daemon=True)
+        self._thread.start()
 
     def _beat(self) -> None:
-        while True:
+        while not self._done.is_set():
             self.count += 1
             try:
                 self.store.set(f"heartbeat/{self.rank}", str(self.count))
             except Exception:  # the store is gone: the job is ending anyway
                 return
-            time.sleep(self.period_s)
+            self._done.wait(self.period_s)
+
+    def close(self) -> None:
+        """Stop beating and wait for the thread. Call before the process exits: a daemon thread caught inside
+        the store's C++ call while the interpreter shuts down is ended by pthread_exit, which aborts the
+        process ("terminate called without an active exception") after the run has finished."""
+        self._done.set()
+        self._thread.join(timeout=10)
 
     def _stamps(self) -> dict:
         out = {}

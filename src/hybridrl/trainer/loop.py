@@ -240,6 +240,9 @@ def _naming_dead_ranks(watchdog):
         who = f"rank {', '.join(map(str, dead))}" if dead else "a peer rank"
         raise PeerLostError(f"{who} died during {phase} ({str(err).splitlines()[0][:160]}); the job stops: "
                             "resume from the last checkpoint (trainer.resume_mode=auto)") from None
+    finally:
+        if beats is not None:
+            beats.close()
 
 
 def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, ckpt, saver, watchdog, start, total,
