@@ -122,9 +122,8 @@ and the bind (tests running side by side do)."""
 def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     """Initialise the default process group (idempotent) and the CPU patches when there is no CUDA."""
     die_with_parent()
-    chose_port = not os.environ.get("MASTER_PORT")  # a single-process run then picks a free one (launch_env)
     le = launch_env()
-    chose_port = chose_port and le.world_size == 1
+    chose_port = le.world_size == 1 and not os.environ.get("MASTER_PORT")  # launch_env picked a free one
     export_launch_env(le)
     cpu_compat.apply()
     if dist.is_initialized():
