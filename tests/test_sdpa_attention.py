@@ -124,10 +124,13 @@ def test_kv_cache_decode_step_equals_the_unfused_attention():
 
 
 def test_local_spec_is_megatrons_with_sdpa_core_attention_for_dense_and_moe_layers():
+    """megatron's local spec but for the core attention and the norms (models/norms.py: megatron's local norm
+    refuses sequence parallelism)."""
     import dataclasses
 
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from hybridrl.models.norms import RMSNorm
     from hybridrl.models.sdpa_attention import SDPAttention
 
     for experts in (0, 4):
@@ -135,11 +138,16 @@ def test_local_spec_is_megatrons_with_sdpa_core_attention_for_dense_and_moe_laye
             ours = transformer_layer_spec("local", qk_norm, experts).submodules
             theirs = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts or None, qk_layernorm=qk_norm,
                                                               normalization="RMSNorm").submodules
-            assert ours.self_attention.submodules.core_attention is SDPAttention
-            unchanged = dataclasses.replace(ours.self_attention.submodules,
-                                            core_attention=theirs.self_attention.submodules.core_attention)
-            assert unchanged == theirs.self_attention.submodules
-            assert dataclasses.replace(ours, self_attention=theirs.self_attention) == theirs
+            mine = ours.self_attention.submodules
+            assert mine.core_attention is SDPAttention
+            assert ours.input_layernorm is ours.pre_mlp_layernorm is RMSNorm
+            assert not qk_norm or mine.q_layernorm is mine.k_layernorm is RMSNorm
+            attention = theirs.self_attention.submodules
+            unchanged = dataclasses.replace(mine, core_attention=attention.core_attention,
+                                            q_layernorm=attention.q_layernorm, k_layernorm=attention.k_layernorm)
+            assert unchanged == attention
+            assert dataclasses.replace(ours, self_attention=theirs.self_attention, input_layernorm=theirs.input_layernorm,
+                                       pre_mlp_layernorm=theirs.pre_mlp_layernorm) == theirs
 
 
 def _state_names():

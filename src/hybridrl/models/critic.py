@@ -2,8 +2,10 @@
 
 The head is a replicated `Linear(hidden, 1)` placed at `GPTModel.output_layer`, so megatron's own
 forward and pipeline schedule drive it unchanged (only the last stage has it). Replication is
-sound because, with sequence_parallel off, every TP rank holds the full hidden states after the
-final norm: all TP ranks compute the same values and the same head gradients. Initialisation:
+sound because every TP rank computes the same values: without sequence parallelism each holds the
+full hidden states after the final norm; with it, each computes the values of its slice of the
+sequence and the slices are all-gathered over TP (backward: each rank keeps its slice's gradient),
+so the head's gradients are partial sums, all-reduced over TP like megatron's norm weights. Initialisation:
 from an HF causal LM (lm_head dropped, head seeded identically on every rank), or from a reward
 model (`score.weight` [1, H] of HF `*ForSequenceClassification`, or TRL's `v_head.summary.*`).
 """
@@ -33,29 +35,39 @@ SEQ_CLS_ARCHITECTURES = {"qwen2": "Qwen2ForSequenceClassification", "llama": "Ll
 class ValueHead(torch.nn.Module):
     """Replicated Linear(hidden, 1) with the output-layer call signature megatron's GPTModel uses."""
 
-    def __init__(self, hidden_size: int, dtype=torch.float32, seed: int = 0, std: float = 0.02):
+    def __init__(self, hidden_size: int, dtype=torch.float32, seed: int = 0, std: float = 0.02,
+                 sequence_parallel_group=None):
         super().__init__()
         self.value_head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
         g = torch.Generator().manual_seed(seed)  # same seed on every rank keeps TP replicas equal
         with torch.no_grad():
             self.value_head.weight.copy_(std * torch.randn(1, hidden_size, generator=g))
             self.value_head.bias.zero_()
+        self.sequence_parallel_group = sequence_parallel_group
+        """The TP group when the hidden states arrive split along the sequence (sequence parallelism)."""
+        for p in self.value_head.parameters():
+            p.sequence_parallel = sequence_parallel_group is not None
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         # [S, B, H] -> [S, B] in fp32; GPTModel transposes the result to [B, S]
         w, b = self.value_head.weight.float(), self.value_head.bias.float()
-        return F.linear(hidden_states.float(), w, b).squeeze(-1), None
+        values = F.linear(hidden_states.float(), w, b).squeeze(-1)
+        if self.sequence_parallel_group is not None:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.sequence_parallel_group)
+        return values, None
 
 
 def build_critic(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", seed: int = 0,
                  ep: int = 1, **config_overrides):
     """A GPTModel chunk whose last stage ends in a ValueHead (untied: the critic has no LM head)."""
-    if config_overrides.get("sequence_parallel"):
-        raise ValueError("the critic's replicated value head needs sequence_parallel=False")
     trunk_spec = dataclasses.replace(spec, tie_word_embeddings=False)
     model = build_gpt(trunk_spec, tp, pp, pp_rank, dtype, ep, **config_overrides)
     if model.post_process:
-        head = ValueHead(spec.hidden_size, model.config.params_dtype, seed, model.config.init_method_std)
+        sp_group = model.pg_collection.tp if model.config.sequence_parallel else None
+        head = ValueHead(spec.hidden_size, model.config.params_dtype, seed, model.config.init_method_std, sp_group)
         model.output_layer = head.to(next(model.parameters()).device)
     return model
 

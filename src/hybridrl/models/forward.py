@@ -14,8 +14,11 @@ import contextlib
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from hybridrl.models.routing_replay import replaying
+from hybridrl.models.sequence_layout import SequenceLayout
+from hybridrl.parallel.cp_tokens import gather_tokens
 from hybridrl.parallel.cpu_compat import cuda_to_cpu, without_cuda_mode
 
 
@@ -66,22 +69,56 @@ def padding_mode(model) -> str:
 
 
 @contextlib.contextmanager
-def _shapes_sent_ahead(model, micro_batches: list[dict]):
-    """Micro-batches of different [B, S] (trimmed or token-budget ones): megatron's p2p sends each
+def _shapes_sent_ahead(model, micro_batches: list[dict], packed: bool = False):
+    """Micro-batches of different [B, S] (trimmed or token-budget ones, packs): megatron's p2p sends each
     activation's shape before it (`variable_seq_lengths`) instead of assuming one fixed shape."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
     before = config.variable_seq_lengths
-    config.variable_seq_lengths = before or len({tuple(mb["input_ids"].shape) for mb in micro_batches}) > 1
+    shapes = {mb["pack_length"] if packed else tuple(mb["input_ids"].shape) for mb in micro_batches}
+    config.variable_seq_lengths = before or len(shapes) > 1
     try:
         yield
     finally:
         config.variable_seq_lengths = before
 
 
+def _labels(input_ids: torch.Tensor) -> torch.Tensor:
+    labels = torch.zeros_like(input_ids)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels
+
+
+def _padded_tokens(token_fn: Callable, output: torch.Tensor, mb: dict) -> dict:
+    """token_fn's per-token results of a padded [B, S] output as [B, S] tensors; with "response_mask" in
+    the micro-batch only the positions that predict or value the response are computed (zero before)."""
+    ids = mb["input_ids"]
+    start = ids.shape[1] - mb["response_mask"].shape[1] - 1 if "response_mask" in mb else 0
+    stats = token_fn(output[:, start:], _labels(ids)[:, start:])
+    return {k: F.pad(v, (start, 0)) for k, v in stats.items()}
+
+
+def _pad_columns(mb: dict, multiple: int) -> tuple[dict, int]:
+    """Right padding columns up to a multiple of `multiple` (sequence parallelism splits the sequence
+    over TP); returns the micro-batch and its original width."""
+    s = mb["input_ids"].shape[1]
+    extra = -s % multiple
+    if not extra:
+        return mb, s
+    out = dict(mb)
+    for key in ("input_ids", "attention_mask", "position_ids", "routed_experts"):
+        if out.get(key) is not None:
+            v = out[key]
+            out[key] = torch.cat([v, v.new_zeros((v.shape[0], extra) + tuple(v.shape[2:]))], 1)
+    if out.get("attention_mask") is None:
+        out["attention_mask"] = torch.cat([torch.ones_like(mb["input_ids"]), torch.zeros_like(out["input_ids"][:, s:])], 1)
+    return out, s
+
+
 def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None = None,
-                     forward_only: bool = True, padding: str | None = None) -> list[dict]:
+                     forward_only: bool = True, padding: str | None = None,
+                     token_fn: Callable | None = None) -> list[dict]:
     """Forward (and backward unless `forward_only`) over `micro_batches`; returns loss_fn's dicts.
 
     A micro-batch is a dict with "input_ids" [B, S] and optionally "attention_mask" [B, S]
@@ -90,40 +127,74 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     Note: megatron's RoPE uses positions 0..S-1 regardless of position_ids; with left padding this
     is exact all the same, because RoPE attention depends only on relative positions, which a
     per-row shift does not change.
-    `loss_fn(output, micro_batch) -> (scalar loss, dict)`, run on the last stage; output is
-    logits [B, S, V_pad/tp] for the actor, values [B, S] for the critic. The default returns
-    {"output": output}. Backward: megatron divides each micro-batch loss by their number.
-    `padding`: "mask" or "left_align" (see the module docstring); default from the model's layer spec.
+    `loss_fn(output, micro_batch) -> (scalar loss, dict)`, run on the last stage. Without `token_fn`,
+    output is the model's: logits [B, S, V_pad/tp] for the actor, values [B, S] for the critic (the padded
+    layout only). With `token_fn(output, labels) -> {name: per-token tensor}` (labels: each position's
+    next token), output is that dict as [B, S] tensors in the rows' columns, whatever the layout: padded,
+    packed (`model.remove_padding`, `models/packing.py`) or context parallel (packed, gathered over CP).
+    Backward: megatron divides each micro-batch loss by their number.
+    `padding`: "mask" or "left_align" (see the module docstring); default from the model's layout.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     loss_fn = loss_fn or _forward_only_loss
+    layout = SequenceLayout.of(model)
     padding = padding or padding_mode(model)
+    if token_fn is None and (layout.packed or layout.cp > 1):
+        raise ValueError("a packed or context-parallel forward needs per-token results (token_fn)")
+    finish = ((lambda output, mb: loss_fn(_padded_tokens(token_fn, output, mb), mb)) if token_fn is not None
+              else loss_fn)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        ids, mask = mb["input_ids"], mb.get("attention_mask")
-        b, s = ids.shape
+        if layout.packed:
+            return _packed_step(chunk, mb, layout, token_fn, loss_fn)
+        sized, s = _pad_columns(mb, layout.sp)
+        ids, mask = sized["input_ids"], sized.get("attention_mask")
+        b, width = ids.shape
+        routes = sized.get("routed_experts")
         if padding == "left_align" and mask is not None:
             index = left_align_index(mask)
-            pos = torch.arange(s, device=ids.device).expand(b, s)
-            routes = mb.get("routed_experts")
+            pos = torch.arange(width, device=ids.device).expand(b, width)
             routes = None if routes is None else routes.gather(1, index[:, :, None, None].expand_as(routes))
-            with without_cuda_mode(), replaying(chunk, routes):
+            with without_cuda_mode(), replaying(chunk, routes, layout.sp_split):
                 out = chunk(ids.gather(1, index), pos, None)
-            return out, lambda output: loss_fn(restore_alignment(output, index), mb)
-        pos = mb.get("position_ids")
-        pos = torch.arange(s, device=ids.device).expand(b, s) if pos is None else pos
-        with without_cuda_mode(), replaying(chunk, mb.get("routed_experts")):
-            out = chunk(ids, pos, causal_padding_mask(mask, s))
-        return out, lambda output: loss_fn(output, mb)
+            return out, lambda output: finish(restore_alignment(output, index)[:, :s], mb)
+        pos = sized.get("position_ids")
+        pos = torch.arange(width, device=ids.device).expand(b, width) if pos is None else pos
+        with without_cuda_mode(), replaying(chunk, routes, layout.sp_split):
+            out = chunk(ids, pos, causal_padding_mask(mask, width))
+        return out, lambda output: finish(output[:, :s], mb)
 
-    # With variable shapes these are only the largest; the p2p layer reads each real one.
-    b_max = max(mb["input_ids"].shape[0] for mb in micro_batches)
-    s_max = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    if layout.packed:
+        micro_batches = layout.agree_pack_lengths(micro_batches)
+        b_max, s_max = 1, max(mb["pack_length"] for mb in micro_batches)
+    else:  # with variable shapes these are only the largest; the p2p layer reads each real one
+        b_max = max(mb["input_ids"].shape[0] for mb in micro_batches)
+        s_max = max(-(-mb["input_ids"].shape[1] // layout.sp) * layout.sp for mb in micro_batches)
     context = torch.no_grad() if forward_only else torch.enable_grad()
-    with context, cuda_to_cpu(), _shapes_sent_ahead(model, micro_batches):
+    with context, cuda_to_cpu(), _shapes_sent_ahead(model, micro_batches, layout.packed):
         return list(get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
             num_microbatches=len(micro_batches), seq_length=s_max, micro_batch_size=b_max,
             forward_only=forward_only))
+
+
+def _packed_step(chunk, mb: dict, layout: "SequenceLayout", token_fn: Callable, loss_fn: Callable):
+    """One micro-batch as one packed sequence (this CP rank's part of it); loss_fn gets [B, S] per-token results."""
+    ids = mb["input_ids"]
+    mask = mb.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    pack = layout.pack(mask, mb.get("pack_length", 0))
+    routes = mb.get("routed_experts")
+    routes = None if routes is None else pack.pack(routes)
+    with without_cuda_mode(), replaying(chunk, routes, layout.sp_split):
+        out = chunk(pack.pack(ids), pack.positions(), None, packed_seq_params=pack.params(layout.cp_group))
+
+    def finish(output):
+        stats = token_fn(output, pack.next_token_labels(ids))
+        if layout.cp > 1:
+            stats = {k: gather_tokens(v, pack.local, layout.cp_group) for k, v in stats.items()}
+        return loss_fn({k: pack.unpack(v) for k, v in stats.items()}, mb)
+
+    return out, finish

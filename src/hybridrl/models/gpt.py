@@ -37,6 +37,7 @@ def transformer_layer_spec(kind: str, qk_norm: bool = False, num_experts: int = 
     megatron's unfused DotProductAttention; the rest of the layer, and every weight name, is megatron's."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from hybridrl.models.norms import RMSNorm
     from hybridrl.models.sdpa_attention import SDPAttention
 
     experts = num_experts or None
@@ -46,8 +47,23 @@ def transformer_layer_spec(kind: str, qk_norm: bool = False, num_experts: int = 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
-    spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
+    norms = dict(q_layernorm=RMSNorm, k_layernorm=RMSNorm) if qk_norm else {}
+    spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention, **norms)
+    spec.submodules = dataclasses.replace(spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
     return spec
+
+
+def block_spec(spec: "GPTSpec", config, pp_rank: int):
+    """The decoder block of this pipeline stage: `transformer_layer_spec` per layer, and for the local spec
+    its own final norm (megatron's default local norm refuses sequence parallelism, `models/norms.py`)."""
+    from hybridrl.models.norms import RMSNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = transformer_layer_spec(spec.layer_spec, spec.qk_norm, spec.num_experts)
+    if spec.layer_spec == "te":
+        return layer
+    layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)
 
 
 @dataclass(frozen=True)
@@ -141,7 +157,7 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", 
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype is torch.bfloat16, fp16=params_dtype is torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=True,
@@ -158,8 +174,13 @@ def transformer_config(spec: GPTSpec, tp: int, pp: int, dtype: str = "float32", 
 def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float32", ep: int = 1,
               etp: int | None = None, **config_overrides):
     """The GPTModel chunk of pipeline stage `pp_rank` (embedding on the first, head on the last; this EP
-    rank's experts); `model.layer_spec_kind` records spec.layer_spec for the forward (models/forward.py)."""
+    rank's experts); `model.layer_spec_kind` records spec.layer_spec for the forward (models/forward.py).
+    `sequence_parallel` applies at TP > 1 only (megatron's meaning); `remove_padding` (not a megatron field)
+    makes the forward pack each micro-batch's rows into one sequence (`model.remove_padding`)."""
     from megatron.core.models.gpt import GPTModel
+
+    remove_padding = config_overrides.pop("remove_padding", False)
+    config_overrides["sequence_parallel"] = bool(config_overrides.get("sequence_parallel")) and tp > 1
 
     if spec.is_moe:
         cpu_compat.without_transformer_engine_gemm()
@@ -169,7 +190,7 @@ def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float
     with cuda_to_cpu():  # tied embeddings at PP>1 call .cuda() on the output copy
         model = GPTModel(
             config=config,
-            transformer_layer_spec=transformer_layer_spec(spec.layer_spec, spec.qk_norm, spec.num_experts),
+            transformer_layer_spec=block_spec(spec, config, pp_rank),
             vocab_size=spec.padded_vocab_size(tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pp_rank == 0,
@@ -182,6 +203,7 @@ def build_gpt(spec: GPTSpec, tp: int, pp: int, pp_rank: int, dtype: str = "float
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         )
     model.layer_spec_kind = spec.layer_spec
+    model.remove_padding = remove_padding
     if not torch.cuda.is_available():
         return model
     return model.cuda()

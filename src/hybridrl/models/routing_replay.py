@@ -22,8 +22,10 @@ def replay_routers(model) -> list:
 
 
 @contextlib.contextmanager
-def replaying(model, routes: torch.Tensor | None):
-    """Inside the block, each router of `model` uses `routes[:, :, its global layer]`; nothing without routes."""
+def replaying(model, routes: torch.Tensor | None, sequence_split: tuple[int, int] | None = None):
+    """Inside the block, each router of `model` uses `routes[:, :, its global layer]`; nothing without routes.
+    `sequence_split` (rank, size): under sequence parallelism a router sees only its TP rank's slice of the
+    [S, B] tokens."""
     routers = replay_routers(model) if routes is not None else []
     if not routers:
         yield
@@ -34,6 +36,9 @@ def replaying(model, routes: torch.Tensor | None):
     for router in routers:
         layer = router.layer_number - 1
         target = routes[:, :, layer].transpose(0, 1).reshape(s * b, -1).long()
+        if sequence_split is not None:
+            rank, size = sequence_split
+            target = target.view(size, -1, target.shape[-1])[rank]
         router.router_replay.clear_indices()
         router.router_replay.set_target_indices(target)
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

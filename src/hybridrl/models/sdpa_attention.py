@@ -14,8 +14,11 @@ passes the same tensor, so the model keeps one copy for backward instead of one 
 row with every key masked (a left pad under `causal_padding_mask`) attends to its own key instead:
 megatron's -10000 fill spreads it over all keys, a fused kernel would return NaN or 0; either way the
 row is padding, and only its own (unused) output differs from the unfused path.
+Packed sequences (megatron's THD layout, `packed_seq_params`): query [T, heads, d], key and value
+[T, groups, d], one causal attention per sequence of `cu_seqlens_q_padded` (no [T, T] mask: memory stays
+linear in the pack's length); under context parallelism the exact exchange of `context_parallel.py`.
 Must not: change weights or their names, or accept what megatron's own local attention refuses
-(context parallelism, packed sequences, attention bias, sliding windows, softmax offsets).
+(attention bias, sliding windows, softmax offsets).
 """
 from __future__ import annotations
 
@@ -63,8 +66,6 @@ class SDPAttention(torch.nn.Module):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention: context parallelism needs Transformer Engine's attention")
         if config.window_size is not None or config.softmax_type != "vanilla":
             raise ValueError("SDPAttention: sliding windows and softmax offsets are not supported")
         self.config = config
@@ -74,14 +75,19 @@ class SDPAttention(torch.nn.Module):
         # the softmax input back by it: the product is this scale either way
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = pg_collection.cp if pg_collection is not None and config.context_parallel_size > 1 else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         from megatron.core import tensor_parallel
         from megatron.core.transformer.enums import AttnMaskType
 
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention: attention bias needs Transformer Engine")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            raise ValueError("SDPAttention: context parallelism runs on packed sequences (model.use_remove_padding)")
         sq, b, heads, d = query.shape
         causal = False
         mask = None
@@ -103,3 +109,35 @@ class SDPAttention(torch.nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                                  scale=self.softmax_scale, enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+
+    def _packed(self, query, key, value, params):
+        """THD: [T, heads, d] query, [T, groups, d] key and value -> [T, heads·d]."""
+        from megatron.core import tensor_parallel
+
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention: packed sequences in {params.qkv_format!r} format (only 'thd')")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        dropout = self.dropout_p if self.training else 0.0
+        fork = dropout and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            if self.cp_group is not None:
+                from hybridrl.models.context_parallel import cp_attention
+
+                out = cp_attention(query, key, value, cu, self.cp_group, self.softmax_scale, dropout)
+            else:
+                out = packed_causal_attention(query, key, value, cu, self.softmax_scale, dropout)
+        return out.reshape(out.shape[0], -1)
+
+
+def packed_causal_attention(query, key, value, cu_seqlens, scale: float, dropout: float = 0.0):
+    """Causal attention of each sequence of a THD pack on its own: [T, heads, d] -> [T, heads, d]."""
+    if value.requires_grad and torch.is_grad_enabled():
+        value = value.contiguous()  # a view of the fused QKV projection would keep all of it for backward
+    bounds = cu_seqlens.tolist()
+    gqa = key.shape[1] != query.shape[1]
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))  # [n, len, d]
+        outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
+                                                   enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(outs)

@@ -33,3 +33,11 @@ def width_agreement(groups) -> Callable[[Widths], Widths] | None:
         return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     return agree
+
+
+def agree_max(values: List[int], group, device) -> List[int]:
+    """The element-wise maximum of `values` over `group` (every rank passes as many): the packed length of
+    each micro-batch that expert-parallel peers share."""
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
