@@ -7,6 +7,7 @@ vLLM's documented `LLM` methods (sleep / wake_up / collective_rpc / reset_prefix
 weight path is also exercised on the real stream in test_reshard.py
 (test_vllm_worker_reads_back_its_own_layout).
 """
+import json
 import sys
 import types
 
@@ -23,17 +24,32 @@ def test_missing_vllm_names_the_install_command(monkeypatch):
         vllm_adapter.VLLMEngine(spec=None)
 
 
-@pytest.mark.parametrize("version", ["0.6.3", "0.9.2", "0.10.0rc1.dev5"])
+@pytest.mark.parametrize("version", ["0.6.3", "0.10.2", "0.25.1", "0.32.1", "0.33.0rc1.dev5"])
 def test_old_vllm_is_refused_with_the_version(monkeypatch, version):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
-    with pytest.raises(ImportError, match=rf"vLLM {version} is older than 0\.10\.0"):
+    with pytest.raises(ImportError, match=rf"vLLM {version} is older than 0\.33\.0"):
         vllm_adapter.VLLMEngine(spec=None)
 
 
-@pytest.mark.parametrize("version", ["0.10.0", "0.10.2+cu128", "0.11.1", "1.0.0"])
-def test_supported_versions_pass_the_check(monkeypatch, version):
+@pytest.mark.parametrize("version, warns", [("0.33.0", False), ("0.33.2+cu128", False), ("0.34.0", True),
+                                            ("1.0.0", True)])
+def test_the_checked_range_passes_and_newer_versions_warn(monkeypatch, version, warns):
+    import warnings
+
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
-    assert vllm_adapter.import_vllm().__version__ == version
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert vllm_adapter.import_vllm().__version__ == version
+    assert [str(w.message) for w in caught if "newer than the 0.33" in str(w.message)] != [] if warns else caught == []
+
+
+def test_requirements_pin_the_range_the_adapter_accepts():
+    import pathlib
+
+    pins = [line for line in (pathlib.Path(__file__).parents[1] / "requirements-gpu.txt").read_text().splitlines()
+            if line.startswith("vllm")]
+    assert pins == ["vllm>=0.33,<0.34"]
+    assert vllm_adapter.MIN_VLLM_VERSION[:2] == (0, 33) and vllm_adapter.CHECKED_BELOW[:2] == (0, 34)
 
 
 class _FakeSamplingParams:
@@ -85,7 +101,7 @@ def test_one_request_per_sample_with_its_own_seed(fake_engine):
     assert [r[0] for r in reqs] == [[1, 2, 3], [1, 2, 3], [4], [4]]
     assert [r[1].seed for r in reqs] == [sample_seed(10, 0), sample_seed(10, 1), sample_seed(20, 0), sample_seed(20, 1)]
     p = reqs[0][1]
-    assert (p.n, p.logprobs, p.max_tokens, p.top_k, p.top_p, p.detokenize) == (1, 0, 4, -1, 0.9, False)
+    assert (p.n, p.logprobs, p.max_tokens, p.top_k, p.top_p, p.detokenize) == (1, 0, 4, 0, 0.9, False)
     assert p.stop_token_ids == [2, 7, 9]  # every eos of the engine joins the caller's stop tokens
     assert out.responses.shape == (4, 4)
     assert out.responses[0].tolist() == [sample_seed(10, 0) % 97, 3, 5, 0]
@@ -101,7 +117,7 @@ def test_sleep_wake_and_weight_update_order(fake_engine):
     fake_engine.load_weights([("lm_head.weight", torch.ones(2))])
     fake_engine.wake_up()  # before generate: the rest
     fake_engine.wake_up()
-    assert fake_engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("rpc", 1), ("reset_prefix_cache",),
+    assert fake_engine.llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("rpc", 1), ("reset_prefix_cache",),
                                      ("rpc", 1), ("reset_prefix_cache",), ("wake_up", ["kv_cache"])]
 
 
@@ -139,34 +155,92 @@ class _RecordingLLM:
         _RecordingLLM.built.append(kwargs)
 
 
-def _build_through_fake_vllm(version):
+def _build_through_fake_vllm(spec_kwargs, rollout_kwargs):
     import gc
     import os
 
     from hybridrl.config import RolloutConfig
     from hybridrl.models.gpt import GPTSpec
 
-    sys.modules["vllm"] = types.SimpleNamespace(__version__=version, LLM=_RecordingLLM)
+    sys.modules["vllm"] = types.SimpleNamespace(__version__="0.33.0", LLM=_RecordingLLM)
     spec = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=96, vocab_size=251, qkv_bias=True)
-    engine = vllm_adapter.VLLMEngine(spec=spec, cfg=RolloutConfig(name="vllm", gpu_memory_utilization=0.3))
+                   intermediate_size=96, vocab_size=251, **spec_kwargs)
+    engine = vllm_adapter.VLLMEngine(spec=spec, cfg=RolloutConfig(name="vllm", gpu_memory_utilization=0.3,
+                                                                  **rollout_kwargs))
     kwargs = _RecordingLLM.built[-1]
     folder_existed = os.path.isdir(kwargs["model"])
     del engine
     gc.collect()
-    return {k: v for k, v in kwargs.items() if k != "config_json"}, folder_existed, os.path.exists(kwargs["model"])
+    return kwargs, folder_existed, os.path.exists(kwargs["model"])
+
+
+_MOE = dict(num_experts=4, moe_topk=2, moe_intermediate_size=32, qk_norm=True)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("version, mode", [("0.10.2", "processed_logprobs"), ("0.10.1", None)])
-def test_engine_arguments_and_temporary_folder(version, mode):
+@pytest.mark.parametrize("spec_kwargs, rollout_kwargs", [(dict(qkv_bias=True), {}),
+                                                         (_MOE, dict(dtype="float32"))])
+def test_engine_arguments_and_temporary_folder(spec_kwargs, rollout_kwargs):
     from dist_helper import run_distributed
 
-    kwargs, existed, exists_after = run_distributed(_build_through_fake_vllm, 1, version)[0]
-    assert kwargs.get("logprobs_mode") == mode
+    kwargs, existed, exists_after = run_distributed(_build_through_fake_vllm, 1, spec_kwargs, rollout_kwargs)[0]
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert (kwargs["distributed_executor_backend"], kwargs["load_format"]) == ("external_launcher", "dummy")
     assert kwargs["enable_sleep_mode"] and kwargs["skip_tokenizer_init"] and kwargs["gpu_memory_utilization"] == 0.3
     assert existed and not exists_after  # the config-only folder goes with the engine
+    # the engine holds rollout.dtype (bf16 by default), said in config.json too; MoE pins the Triton experts
+    dtype = rollout_kwargs.get("dtype", "bfloat16")
+    assert kwargs["dtype"] == dtype and json.loads(kwargs["config_json"])["dtype"] == dtype
+    assert kwargs.get("moe_backend") == ("triton" if spec_kwargs is _MOE else None)
+
+
+def test_a_weight_dtype_other_than_the_engines_is_refused_at_the_first_bucket(monkeypatch):
+    """fp32 weights (model.params_dtype) into a bf16 engine: their fingerprints could never match what vLLM
+    stores, so the first bucket stops with the keys to change; with verify off vLLM's loader casts them."""
+    from hybridrl.config import ConfigError
+
+    llm = _FakeLLM()
+    llm.llm_engine.model_config.dtype = torch.bfloat16
+    llm.collective_rpc = lambda fn, args=(): llm.calls.append(("rpc", args[0][0][1].dtype)) or [{}]
+    engine = vllm_adapter.VLLMEngine(llm=llm)
+    with pytest.raises(ConfigError, match=r"sends float32 .*holding bfloat16 \(rollout.dtype\).*"
+                                          r"rollout.dtype=float32 or model.params_dtype=bfloat16"):
+        engine.load_weights([("model.norm.weight", torch.ones(2))], "fingerprint")
+    assert llm.calls == []  # refused before anything reached vLLM
+    engine.load_weights([("model.norm.weight", torch.ones(2, dtype=torch.bfloat16))], "fingerprint")
+    engine.load_weights([("model.norm.weight", torch.ones(2))], "off")
+    assert [c for c in llm.calls if c[0] == "rpc"] == [("rpc", torch.bfloat16), ("rpc", torch.float32)]
+
+
+def test_rollout_dtype_is_one_vllm_runs():
+    from hybridrl.config import ConfigError, RolloutConfig
+
+    assert RolloutConfig().dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="rollout.dtype='fp8' is not one of bfloat16, float16, float32"):
+        RolloutConfig(dtype="fp8")
+
+
+@pytest.mark.parametrize("factor", [0.0, 8.0])
+def test_engine_config_carries_both_rope_keys(factor):
+    """transformers 5 reads rope_parameters (a non-empty rope_scaling wins over it), transformers 4 reads
+    rope_theta + rope_scaling: Llama-3.1 scaling must reach either, equal."""
+    import transformers
+
+    from hybridrl.models.gpt import GPTSpec
+
+    spec = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   vocab_size=251, rope_theta=500000.0, rope_scaling_factor=factor)
+    folder = vllm_adapter.dummy_model_folder(spec)
+    with open(f"{folder}/config.json") as f:
+        cfg = json.load(f)
+    if factor:
+        assert cfg["rope_scaling"] == {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
+        assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["factor"] == factor
+        assert cfg["rope_theta"] == 500000.0  # where transformers 4 takes the base from
+    else:
+        assert "rope_scaling" in cfg and cfg["rope_scaling"] is None  # transformers 4's "no scaling"
+    loaded = transformers.AutoConfig.from_pretrained(folder)
+    assert loaded.rope_parameters == cfg["rope_parameters"]
 
 
 def test_worker_reads_back_its_parameters_not_what_arrived():

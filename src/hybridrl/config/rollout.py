@@ -75,6 +75,9 @@ class RolloutConfig:
     """Weight-sync check of what the engine stored: fingerprint (on device), exact (host hash), off."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
+    dtype: str = "bfloat16"
+    """vLLM: dtype of the engine's weights and compute (verl's rollout.dtype); equal to model.params_dtype
+    unless verify_weights=off (the native engine always runs in model.params_dtype)."""
     enforce_eager: bool = False
     """No CUDA graphs of the decode step (native and vLLM); CPU always runs eagerly."""
     max_num_seqs: int = 256
@@ -96,3 +99,4 @@ class RolloutConfig:
         check(self.update_weights_bucket_mb > 0, "rollout.update_weights_bucket_mb must be > 0")
         check(self.max_num_seqs >= 1, "rollout.max_num_seqs must be >= 1 (KV-cache slots of the engine)")
         one_of("rollout.verify_weights", self.verify_weights, ("fingerprint", "exact", "off"))
+        one_of("rollout.dtype", self.dtype, ("bfloat16", "float16", "float32"))
