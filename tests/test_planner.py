@@ -124,7 +124,7 @@ def test_loss_side_bytes_are_the_measured_peak_of_the_log_prob_function(grad, en
 
     from hybridrl.models import logprobs
     from hybridrl.placement.reshard import LiveTensorMeter
-    from hybridrl.workers.actor import response_logits
+    from hybridrl.workers.actor import response_positions
 
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
     monkeypatch.setattr(mem, "CHUNK_ELEMENTS", chunk)
@@ -134,7 +134,7 @@ def test_loss_side_bytes_are_the_measured_peak_of_the_log_prob_function(grad, en
     logits = torch.randn(b, s, vp, generator=g).requires_grad_(grad)
     labels = torch.randint(0, ARCH.vocab_size, (b, r), generator=g)
     with torch.set_grad_enabled(grad), LiveTensorMeter() as meter:
-        lp, ent = logprobs.vocab_parallel_token_stats(response_logits(logits, r), labels, None, ARCH.vocab_size,
+        lp, ent = logprobs.vocab_parallel_token_stats(response_positions(logits, r), labels, None, ARCH.vocab_size,
                                                       0.7, entropy)
         if grad:
             (lp.sum() + (ent.sum() if entropy else 0)).backward()
@@ -174,7 +174,7 @@ def _measured_step_bytes():
     from hybridrl.models.logprobs import vocab_parallel_token_stats
     from hybridrl.parallel.distributed import init_model_parallel
     from hybridrl.placement.reshard import LiveTensorMeter
-    from hybridrl.workers.actor import response_logits
+    from hybridrl.workers.actor import response_positions
 
     init_model_parallel(1, 1)
     spec = GPTSpec(max_position_embeddings=SEQ, qkv_bias=True, tie_word_embeddings=False, **TINY)
@@ -189,7 +189,7 @@ def _measured_step_bytes():
     response = SEQ // 2  # _tiny_config's max_response_length
     with LiveTensorMeter() as meter:
         logits = model(tokens, position_ids, causal)  # [B, S, V_padded]
-        log_probs, entropy = vocab_parallel_token_stats(response_logits(logits, response), tokens[:, -response:],
+        log_probs, entropy = vocab_parallel_token_stats(response_positions(logits, response), tokens[:, -response:],
                                                         None, spec.vocab_size, 1.0, True)
         loss = -log_probs.mean() - 0.01 * entropy.mean()
         loss.backward()

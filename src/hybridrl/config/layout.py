@@ -67,6 +67,8 @@ class Layout:
     """The critic's own TP / PP / DP when it has ranks of its own."""
     ep: int = 1
     """Expert parallel size of the training models (a divisor of dp)."""
+    cp: int = 1
+    """Context parallel size of the training models: tp * cp * pp * dp trainer ranks."""
 
     @property
     def split(self) -> bool:
@@ -84,7 +86,8 @@ class Layout:
         where = (f"split: ranks 0-{t - 1} train, {critic}{t + c}-{self.world_size - 1} generate "
                  f"({self.rollout_world_size // self.rollout_tp} engines) " if self.split else "")
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"{where}world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp}{ep} rollout_tp={self.rollout_tp} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"{where}world={self.world_size} tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep} rollout_tp={self.rollout_tp} "
                 f"samples/step={self.samples_per_step} ({self.samples_per_step_per_dp} per DP rank)")
 
 
@@ -112,9 +115,10 @@ def model_parallel_sizes(cfg: Config, world_size: int, dims: ModelDims) -> tuple
     """(tp, pp, dp) of the training models, after checking them against the world and the model."""
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by tp ({tp}) * pp ({pp}); "
-             f"launch a multiple of {tp * pp} processes or change parallel.*_model_parallel_size")
+    cp = cfg.parallel.context_parallel_size
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by tp ({tp}) * cp ({cp}) * pp ({pp}); launch a multiple of "
+             f"{tp * pp * cp} processes or change parallel.*_model_parallel_size / parallel.context_parallel_size")
     _require(dims.num_attention_heads % tp == 0,
              f"num_attention_heads={dims.num_attention_heads} is not divisible by "
              f"parallel.tensor_model_parallel_size={tp}; pick a TP that divides the heads")
@@ -124,7 +128,23 @@ def model_parallel_sizes(cfg: Config, world_size: int, dims: ModelDims) -> tuple
     _require(dims.num_layers % pp == 0,
              f"num_layers={dims.num_layers} is not divisible by parallel.pipeline_model_parallel_size={pp}; "
              f"pick a PP that divides the layers")
-    return tp, pp, world_size // (tp * pp)
+    return tp, pp, world_size // (tp * pp * cp)
+
+
+def check_long_sequences(cfg: Config) -> None:
+    """Context parallelism runs on packed sequences, with the actor, critic and engine on the same ranks."""
+    cp, p = cfg.parallel.context_parallel_size, cfg.placement
+    if cp == 1:
+        return
+    _require(cfg.model.use_remove_padding,
+             f"parallel.context_parallel_size={cp} splits packed sequences (THD) over ranks; set "
+             "model.use_remove_padding=true or context_parallel_size=1")
+    _require(p.mode == "colocated",
+             f"parallel.context_parallel_size={cp} with placement.mode=split is not supported (the weight and row "
+             "streams address trainers by TP/PP/DP); use placement.mode=colocated or context_parallel_size=1")
+    _require(cfg.data.max_prompt_length + cfg.data.max_response_length >= 2 * cp,
+             f"parallel.context_parallel_size={cp} cuts each sequence into {2 * cp} chunks; sequences of "
+             f"{cfg.data.max_prompt_length + cfg.data.max_response_length} tokens at most are too short for it")
 
 
 def expert_parallel_size(cfg: Config, dims: ModelDims, tp: int, dp: int) -> int:
@@ -136,9 +156,9 @@ def expert_parallel_size(cfg: Config, dims: ModelDims, tp: int, dp: int) -> int:
              f"num_experts={dims.num_experts} is not divisible by parallel.expert_model_parallel_size={ep}")
     _require(dp % ep == 0, f"parallel.expert_model_parallel_size={ep} must divide the data-parallel size dp={dp} "
                            "(experts are split over data-parallel ranks); launch more processes or lower it")
-    _require(not dims.num_experts or tp == 1,
-             f"MoE training at parallel.tensor_model_parallel_size={tp} needs sequence parallelism, which this build "
-             "does not run; use tensor_model_parallel_size=1 and scale with parallel.expert_model_parallel_size")
+    _require(not dims.num_experts or cfg.parallel.sequence_parallel_at(tp) or tp == 1,
+             f"MoE training at parallel.tensor_model_parallel_size={tp} needs sequence parallelism (megatron's rule); "
+             "set parallel.sequence_parallel=true (or leave it null)")
     return ep
 
 
@@ -226,6 +246,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     tp, pp, dp = model_parallel_sizes(cfg, world_size - k - cfg.placement.critic_world_size, dims)
     ep = expert_parallel_size(cfg, dims, tp, dp)
     check_router_replay(cfg, dims)
+    check_long_sequences(cfg)
     _require(ep == 1 or not cfg.placement.critic_world_size,
              "parallel.expert_model_parallel_size > 1 with placement.critic_world_size > 0 is not supported; "
              "train the critic with the actor (critic_world_size=0)")
@@ -257,4 +278,4 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     _require(not cdp or samples % cdp == 0, f"data.train_batch_size * rollout.n = {samples} is not divisible by the "
                                             f"critic's dp={cdp}; change placement.critic_world_size or the batch")
     return Layout(world_size, tp, pp, dp, rtp, samples, samples // dp, actor_mb, critic_mb, k,
-                  cfg.placement.critic_world_size, ctp, cpp, cdp, ep)
+                  cfg.placement.critic_world_size, ctp, cpp, cdp, ep, cfg.parallel.context_parallel_size)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from hybridrl.config.checks import check, one_of
 
@@ -88,6 +88,9 @@ class ModelConfig:
     """SwiGLU hidden size of one expert (path empty, MoE architectures)."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing weights (path empty, qwen3_moe; mixtral always does)."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's rows into one sequence without padding (THD, verl's name) in every training and
+    scoring forward; false: padded rows with an attention mask."""
 
     @property
     def is_moe(self) -> bool:
@@ -126,8 +129,19 @@ class ParallelConfig:
     """EP: MoE experts split over this many ranks of the data-parallel dimension (dp must be a multiple)."""
     expert_tensor_parallel_size: int = 0
     """ETP: TP of each expert; 0 means tensor_model_parallel_size (the only value supported)."""
+    sequence_parallel: Optional[bool] = None
+    """megatron's sequence parallelism (norms, residuals and dropout split along the sequence over TP) in every
+    trained and scoring model; null: on when tensor_model_parallel_size > 1 (Megatron-LM's and verl's advice)."""
+    context_parallel_size: int = 1
+    """CP: each sequence split over this many ranks (2·CP zig-zag chunks, keys/values all-gathered); world =
+    TP x CP x PP x DP. Runs on packed sequences (model.use_remove_padding)."""
+
+    def sequence_parallel_at(self, tp: int) -> bool:
+        """Whether a model at tensor parallel size `tp` runs sequence parallel."""
+        return tp > 1 and (self.sequence_parallel if self.sequence_parallel is not None else True)
 
     def __post_init__(self):
+        check(self.context_parallel_size >= 1, "parallel.context_parallel_size must be >= 1")
         check(self.expert_model_parallel_size >= 1, "parallel.expert_model_parallel_size must be >= 1")
         check(self.expert_tensor_parallel_size in (0, self.tensor_model_parallel_size),
               f"parallel.expert_tensor_parallel_size={self.expert_tensor_parallel_size}: experts are split over TP "

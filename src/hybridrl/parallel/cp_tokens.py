@@ -3,8 +3,9 @@
 Each CP rank computes log-probs, entropy or values for its own tokens of a pack (`models/packing.py`).
 The loss needs them all, in pack order: they are all-gathered (a few floats per token, never the
 logits) and put in pack order. Every CP rank then computes the same loss from the same tensor, so in
-backward each rank keeps the gradient of its own tokens and sends nothing; the parameter gradients,
-partial over the CP ranks' tokens, are summed by megatron DDP's reduction over DP x CP.
+backward each rank keeps the gradient of its own tokens and sends nothing; the parameter gradients are
+partial over the CP ranks' tokens: megatron's schedule multiplies each loss by CP and DDP averages over
+DP x CP, which together sum them.
 """
 from __future__ import annotations
 

@@ -173,6 +173,20 @@ class ParallelGroups:
     """Expert parallel size: MoE experts are split over `ep` ranks of the data-parallel dimension."""
     ep_rank: int = 0
     ep_group: object = None
+    cp: int = 1
+    """Context parallel size: each sequence split over `cp` ranks that hold the same rows and weights."""
+    cp_rank: int = 0
+    cp_group: object = None
+    replica_group: object = None
+    """Every rank of this model replica (tp x cp x pp: the ranks that hold one DP shard's rows); None: mp_group."""
+
+    @property
+    def replica(self):
+        return self.mp_group if self.replica_group is None else self.replica_group
+
+    @property
+    def replica_size(self) -> int:
+        return self.tp * self.pp * self.cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -183,22 +197,38 @@ class ParallelGroups:
         return self.pp_rank == self.pp - 1
 
 
-def init_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1) -> ParallelGroups:
-    """megatron-core parallel_state with TP, PP and expert parallel EP (DP derived), seeded RNG tracker.
+def init_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1, cp: int = 1) -> ParallelGroups:
+    """megatron-core parallel_state with TP, CP, PP and expert parallel EP (DP derived), seeded RNG tracker.
     Expert TP is TP (megatron's default)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep)
+                                     expert_model_parallel_size=ep, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_groups()
+
+
+_REPLICA_GROUPS = {}
+
+
+def _replica_group(dp_rank: int, layout: tuple):
+    """The group of every rank with this data-parallel rank (one model replica across TP, CP and PP);
+    collective on the world (each replica's group is created by every rank, in DP order)."""
+    key = (id(dist.group.WORLD), layout)
+    if key not in _REPLICA_GROUPS:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, dp_rank)
+        groups = {d: dist.new_group([r for r, rd in enumerate(ranks) if rd == d]) for d in sorted(set(ranks))}
+        _REPLICA_GROUPS[key] = groups[dp_rank]
+    return _REPLICA_GROUPS[key]
 
 
 def current_groups() -> ParallelGroups:
     from megatron.core import parallel_state as ps
 
+    cp = ps.get_context_parallel_world_size()
     return ParallelGroups(
         tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -206,7 +236,11 @@ def current_groups() -> ParallelGroups:
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(), device=run_device(),
         ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
-        ep_group=ps.get_expert_model_parallel_group(check_initialized=False))
+        ep_group=ps.get_expert_model_parallel_group(check_initialized=False),
+        cp=cp, cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+        replica_group=_replica_group(ps.get_data_parallel_rank(), (ps.get_tensor_model_parallel_world_size(), cp,
+                                                                   ps.get_pipeline_model_parallel_world_size()))
+        if cp > 1 else None)
 
 
 def destroy() -> None:

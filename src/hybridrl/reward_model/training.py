@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from hybridrl.config import Config, ConfigError
 from hybridrl.data.prompts import left_pad
 from hybridrl.log import print0
+from hybridrl.workers.critic import value_tokens
 from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
 from hybridrl.workers.reward_model import build_reencoder, check_vocab, score_positions
 
@@ -94,7 +95,7 @@ def _bradley_terry(values, mb, total_pairs: int, n_micro: int, dp: int):
     stats = {"reward_model/loss": loss_sum.item() / total_pairs,
              "reward_model/acc": (margin > 0).sum().item() / total_pairs,
              "reward_model/margin": margin.sum().item() / total_pairs, "finite": torch.isfinite(loss_sum).item()}
-    # the schedule divides by n_micro and DDP averages over DP: undo both for the global mean
+    # the schedule divides by n_micro (times CP) and DDP averages over DP x CP: undo both for the global mean
     return loss_sum / total_pairs * n_micro * dp, stats
 
 
@@ -117,7 +118,8 @@ def train_step(engine: ModelEngine, optimizer, local: Dict[str, torch.Tensor], b
     micro = pair_micro_batches(local, micro_pairs, pad_id)
     engine.zero_grad()
     optimizer.zero_grad()
-    stats = engine.run(micro, lambda v, mb: _bradley_terry(v, mb, batch, len(micro), engine.groups.dp), False)
+    stats = engine.run(micro, lambda t, mb: _bradley_terry(t["values"], mb, batch, len(micro),
+                                                           engine.groups.dp), False, value_tokens)
     return finish_step(engine, optimizer, stats, "reward_model")
 
 
@@ -133,7 +135,9 @@ def preference_accuracy(engine: ModelEngine, pairs: Dict[str, torch.Tensor], mic
     correct = 0.0
     if end > start:
         stats = engine.run(pair_micro_batches(local, micro_pairs, pad_id),
-                           lambda v, mb: (v.new_zeros(()), {"correct": (pair_margins(v, mb) > 0).sum().item()}), True)
+                           lambda t, mb: (t["values"].new_zeros(()),
+                                          {"correct": (pair_margins(t["values"], mb) > 0).sum().item()}),
+                           True, value_tokens)
         correct = sum(s["correct"] for s in stats)
     totals = dp_sum({"correct": correct, "n": float(end - start)}, g)
     return totals["correct"] / max(totals["n"], 1.0)
@@ -141,11 +145,12 @@ def preference_accuracy(engine: ModelEngine, pairs: Dict[str, torch.Tensor], mic
 
 def _build(cfg: Config, groups, init_folder: str, total_steps: int):
     from hybridrl.models.critic import critic_from_hf
-    from hybridrl.trainer.roles import wrap_trainable
+    from hybridrl.trainer.roles import sequence_overrides, wrap_trainable
     from hybridrl.workers.optim import build_optimizer
 
     tc = cfg.reward_model.train
-    model, spec, _ = critic_from_hf(init_folder, groups, cfg.model.params_dtype, seed=tc.seed)
+    model, spec, _ = critic_from_hf(init_folder, groups, cfg.model.params_dtype, seed=tc.seed,
+                                    **sequence_overrides(cfg, groups))
     if groups.is_last_stage:  # a fresh head's bias is 0; one loaded from model.path is zeroed (HF has none)
         with torch.no_grad():
             model.output_layer.value_head.bias.zero_()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hybridrl import algos
 from hybridrl.config import Config
 from hybridrl.log import print0
-from hybridrl.models.logprobs import shifted_log_probs
+from hybridrl.models.logprobs import vocab_parallel_log_probs
 from hybridrl.workers.engine import ModelEngine, dp_sum, split_micro_batches
 from hybridrl.workers.update import finish_step
 
@@ -32,17 +32,20 @@ class SFTTrainer:
 
         self.cfg, self.groups, self.tok = cfg, groups, tokenizer
         self.init_folder = init_model_folder(cfg, tokenizer.vocab_size)
-        model, self.spec = model_from_hf(self.init_folder, groups, cfg.model.params_dtype, **training_overrides(cfg))
+        model, self.spec = model_from_hf(self.init_folder, groups, cfg.model.params_dtype, **training_overrides(cfg, groups))
         module = wrap_trainable(model, cfg)
         self.engine = ModelEngine(module, groups)
         self.optimizer = build_optimizer(module, cfg.sft.optim, groups, total_steps,
                                          cfg.parallel.use_distributed_optimizer, model.config.params_dtype)
 
-    def _loss(self, output, mb, weight: float, n_micro: int):
+    def _log_probs(self, logits, labels):
+        """Per-token log-probs of the next token, in any sequence layout (`ModelEngine.run`'s token_fn)."""
+        return {"log_probs": vocab_parallel_log_probs(logits, labels, self.groups.tp_group, self.spec.vocab_size)}
+
+    def _loss(self, tokens, mb, weight: float, n_micro: int):
         """Mean negative log-likelihood of the assistant tokens; `weight`: the micro-batch's token share."""
-        log_probs = shifted_log_probs(output, mb["input_ids"], self.groups.tp_group, self.spec.vocab_size)
-        loss = -algos.masked_mean(log_probs, mb["loss_mask"][:, 1:])
-        # the schedule divides by n_micro and DDP averages over DP: undo both for a global token mean
+        loss = -algos.masked_mean(tokens["log_probs"][:, :-1], mb["loss_mask"][:, 1:])
+        # the schedule divides by n_micro (times CP) and DDP averages over DP x CP: undo both for a global token mean
         scaled = loss * weight * n_micro * self.groups.dp
         return scaled, {"sft/loss": loss.item() * weight, "finite": torch.isfinite(loss).item()}
 
@@ -54,7 +57,8 @@ class SFTTrainer:
         self.engine.train(True)
         self.engine.zero_grad()
         self.optimizer.zero_grad()
-        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), False)
+        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), False,
+                                self._log_probs)
         metrics = finish_step(self.engine, self.optimizer, stats, "sft")
         metrics["sft/tokens"] = total
         return metrics
@@ -113,7 +117,8 @@ def _setup(cfg: Config):
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     dims = model_dims(cfg.model, tokenizer.vocab_size)
     tp, pp, dp = model_parallel_sizes(cfg, le.world_size, dims)
-    groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed, ep=expert_parallel_size(cfg, dims, tp, dp))
+    groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed, ep=expert_parallel_size(cfg, dims, tp, dp),
+                                 cp=cfg.parallel.context_parallel_size)
     return le, tokenizer, groups, sft_loader(cfg, tokenizer, groups)
 
 

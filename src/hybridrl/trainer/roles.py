@@ -92,11 +92,20 @@ def _read_json(path: str):
         return None
 
 
-def training_overrides(cfg: Config) -> dict:
-    """TransformerConfig fields of the trainable roles: full activation recomputation on request."""
-    if not cfg.parallel.recompute_activations:
-        return {}
-    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+def sequence_overrides(cfg: Config, groups: ParallelGroups) -> dict:
+    """How every trained or scoring model lays out its sequences (`build_gpt`): sequence parallelism at TP > 1
+    (parallel.sequence_parallel), packed rows (model.use_remove_padding), the context parallel size of `groups`."""
+    return {"sequence_parallel": cfg.parallel.sequence_parallel_at(groups.tp),
+            "remove_padding": cfg.model.use_remove_padding, "context_parallel_size": groups.cp}
+
+
+def training_overrides(cfg: Config, groups: ParallelGroups) -> dict:
+    """TransformerConfig fields of the trainable roles: the sequence layout, and full activation
+    recomputation on request."""
+    out = sequence_overrides(cfg, groups)
+    if cfg.parallel.recompute_activations:
+        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return out
 
 
 def actor_moe_overrides(cfg: Config) -> dict:
@@ -164,7 +173,7 @@ def build_critic_worker(cfg: Config, groups: ParallelGroups, folder: str, total_
     from hybridrl.models.critic import critic_from_hf
 
     critic_model, _, _ = critic_from_hf(cfg.critic.path or folder, groups, cfg.model.params_dtype, seed=cfg.model.seed,
-                                        **training_overrides(cfg))
+                                        **training_overrides(cfg, groups))
     critic_module = wrap_trainable(critic_model, cfg)
     critic_opt = build_optimizer(critic_module, cfg.critic.optim, groups, total_steps,
                                  cfg.parallel.use_distributed_optimizer, critic_model.config.params_dtype)
@@ -181,7 +190,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     folder = init_model_folder(cfg, tokenizer.vocab_size)
     dtype = cfg.model.params_dtype
     temperature = cfg.rollout.temperature
-    recompute = training_overrides(cfg)
+    recompute = training_overrides(cfg, groups)
     actor_model, spec = model_from_hf(folder, groups, dtype, **recompute, **actor_moe_overrides(cfg))
     actor_module = wrap_trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
@@ -190,7 +199,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
                         cfg.data.max_response_length)
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref_model, _ = model_from_hf(folder, groups, dtype)
+        ref_model, _ = model_from_hf(folder, groups, dtype, **sequence_overrides(cfg, groups))
         ref = LogProbWorker(ModelEngine(_frozen(ref_model), groups), spec.vocab_size, temperature)
         ref.offloader = Offloader(ref_model, None, OffloadConfig(params=cfg.ref.offload_params))
         ref.offloader.offload()  # ref.offload_params: on the host except in its own phase
@@ -214,7 +223,7 @@ def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
     if not os.path.isfile(os.path.join(rm.path, "config.json")):
         raise ConfigError(f"reward_model.path='{rm.path}' has no config.json; train one with scripts/train_rm.py "
                           "--config <this config>, or point it at an HF *ForSequenceClassification folder")
-    model, spec, pad_id = reward_model_from_hf(rm.path, groups, cfg.model.params_dtype)
+    model, spec, pad_id = reward_model_from_hf(rm.path, groups, cfg.model.params_dtype, **sequence_overrides(cfg, groups))
     reencoder = build_reencoder(cfg, pad_id)
     if spec.is_moe and groups.ep > 1 and reencoder is not None:
         raise ConfigError("an MoE reward model with its own tokenizer scores sequences of a different length on "

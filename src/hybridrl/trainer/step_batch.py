@@ -2,7 +2,7 @@
 
 The batch is placed on the run's device (`ParallelGroups.device`) once, here, where it is assembled;
 every collective below runs on tensors of that device (nccl reduces CUDA tensors only).
-One rank of each model replica (TP x PP) generates its DP shard's rollout and broadcasts it to the
+One rank of each model replica (TP x CP x PP) generates its DP shard's rollout and broadcasts it to the
 replica (`broadcast_rollout`), so peers never depend on separate generations agreeing bitwise.
 Advantage estimation whitens over the whole batch (verl's single-controller semantics), so the
 few [B, R] tensors it needs are gathered over DP and each rank keeps its own slice afterwards:
@@ -44,8 +44,8 @@ def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: tor
 
 
 def is_rollout_source(groups: ParallelGroups) -> bool:
-    """Whether this rank generates its DP shard's rollout (rank 0 of its model-parallel group)."""
-    return groups.tp * groups.pp == 1 or dist.get_rank(group=groups.mp_group) == 0
+    """Whether this rank generates its DP shard's rollout (rank 0 of its model replica, TP x CP x PP)."""
+    return groups.replica_size == 1 or dist.get_rank(group=groups.replica) == 0
 
 
 def broadcast_rollout(tensors: Dict[str, torch.Tensor] | None, rows: int, width: int,
@@ -53,7 +53,7 @@ def broadcast_rollout(tensors: Dict[str, torch.Tensor] | None, rows: int, width:
     """The source's rollout tensors ([rows, width], `ROLLOUT_DTYPES`, on groups.device) on every rank
     of its model replica; `tensors` is None on the other ranks. `extra` names further entries as
     key -> (shape, dtype) (a multi-turn rollout's masks and counters)."""
-    if groups.tp * groups.pp == 1:
+    if groups.replica_size == 1:
         return tensors
     specs = {key: ((rows, width), dtype) for key, dtype in ROLLOUT_DTYPES.items()}
     specs.update(extra or {})
@@ -63,7 +63,7 @@ def broadcast_rollout(tensors: Dict[str, torch.Tensor] | None, rows: int, width:
             t = tensors[key].to(device=groups.device, dtype=dtype).contiguous()
         else:
             t = torch.empty(shape, dtype=dtype, device=groups.device)
-        dist.broadcast(t, group=groups.mp_group, group_src=0)
+        dist.broadcast(t, group=groups.replica, group_src=0)
         out[key] = t
     return out
 

@@ -21,11 +21,10 @@ from hybridrl.workers.moe_metrics import RouterStats, pass_metrics
 from hybridrl.workers.update import Share, check_one_step, ppo_update
 
 
-def response_logits(logits: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Logits at the positions that predict the response tokens: [B, R, V/tp], a view (the sampling
-    temperature is applied inside the log-prob and entropy functions, on their own fp32 copy)."""
-    T = logits.shape[1]
-    return logits[:, T - response_len - 1:T - 1]
+def response_positions(per_token: torch.Tensor, response_len: int) -> torch.Tensor:
+    """The [B, R] entries of a [B, S] per-token tensor at the positions that predict the response tokens."""
+    S = per_token.shape[1]
+    return per_token[:, S - response_len - 1:S - 1]
 
 
 class LogProbWorker:
@@ -36,32 +35,44 @@ class LogProbWorker:
         self.offloader = None
         """Set for a reference whose weights live on the host between uses (ref.offload_params)."""
 
-    def _token_stats(self, output, mb, with_entropy: bool, entropy_grad: bool = False):
-        """[b, r] log-probs and entropy (None unless with_entropy); the entropy keeps no autograd
-        state unless entropy_grad (a loss term needs it)."""
-        R = mb["responses"].shape[1]
-        logits = response_logits(output, R)
+    def token_fn(self, with_entropy: bool, entropy_grad: bool = False):
+        """Per-token log-probs of the next token (and entropy) from TP-sharded logits, in whatever sequence
+        layout the model runs (padded, packed, context parallel: `ModelEngine.run`); the entropy keeps no
+        autograd state unless entropy_grad (a loss term needs it)."""
         tp_group, t = self.engine.groups.tp_group, self.temperature if self.temperature > 0 else 1.0
-        log_probs, entropy = vocab_parallel_token_stats(logits, mb["responses"], tp_group, self.vocab_size, t,
-                                                        with_entropy)
-        if entropy is not None and not entropy_grad:
-            entropy = entropy.detach()  # a metric only: backward then skips its term
-        return log_probs, entropy
+
+        def stats(logits, labels):
+            log_probs, entropy = vocab_parallel_token_stats(logits, labels, tp_group, self.vocab_size, t,
+                                                            with_entropy)
+            out = {"log_probs": log_probs}
+            if entropy is not None:
+                out["entropy"] = entropy if entropy_grad else entropy.detach()  # a metric only: no backward
+            return out
+
+        return stats
+
+    @staticmethod
+    def _token_stats(tokens, mb):
+        """[b, r] log-probs of the response tokens and their entropy (None when not computed)."""
+        R = mb["responses"].shape[1]
+        entropy = tokens.get("entropy")
+        return response_positions(tokens["log_probs"], R), None if entropy is None else response_positions(entropy, R)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, with_entropy: bool = False):
         """[B, R] log-probs (and entropy) of batch["responses"]; no gradients."""
         self.engine.train(False)
 
-        def loss_fn(output, mb):
-            lp, ent = self._token_stats(output, mb, with_entropy)
+        def loss_fn(tokens, mb):
+            lp, ent = self._token_stats(tokens, mb)
             out = {"log_probs": lp.detach()}
             if ent is not None:
                 out["entropy"] = ent.detach()
-            return output.new_zeros(()), out
+            return lp.new_zeros(()), out
 
         keys = ("input_ids", "attention_mask", "responses", "response_mask", "routed_experts")
-        out = run_per_row(self.engine, {k: batch[k] for k in keys if k in batch}, batching, loss_fn)
+        out = run_per_row(self.engine, {k: batch[k] for k in keys if k in batch}, batching, loss_fn,
+                          self.token_fn(with_entropy))
         return out["log_probs"], out.get("entropy")
 
 
@@ -105,10 +116,10 @@ class ActorWorker(LogProbWorker):
         return algos.policy_loss(old_log_probs, log_probs, mb["advantages"], mask, cfg.clip_ratio_low,
                                  cfg.clip_ratio_high, cfg.clip_ratio_c, **common)
 
-    def _loss(self, output, mb, share: Share, n_micro: int):
+    def _loss(self, tokens, mb, share: Share, n_micro: int):
         cfg = self.cfg
         mask = mb["response_mask"]
-        log_probs, entropy = self._token_stats(output, mb, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+        log_probs, entropy = self._token_stats(tokens, mb)
         # Without old log-probs (one step on fresh data) the policy before this step is the current
         # one: its log-probs are this forward's, held constant.
         own_old = "old_log_probs" not in mb
@@ -126,7 +137,7 @@ class ActorWorker(LogProbWorker):
         # their normaliser, token means by tokens
         metrics = {k: v.detach().double() * share.loss for k, v in metrics.items()}
         metrics.update({f"actor/{k}": v.detach().double() * share.tokens for k, v in stats.items()})
-        # The schedule divides by n_micro and DDP averages over DP: undo both for a global mean.
+        # The schedule divides by n_micro (and multiplies by CP) and DDP averages over DP x CP: undo both for a global mean.
         scaled = loss * share.loss * n_micro * self.engine.groups.dp
         out = {**metrics, "finite": torch.isfinite(loss.detach()).double()}
         if own_old:
@@ -150,7 +161,8 @@ class ActorWorker(LogProbWorker):
         minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
         with RouterStats(self.engine.module) as routing:
             metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
-                                           self._loss, "actor", apply)
+                                           self._loss, "actor", apply,
+                                           self.token_fn(True, entropy_grad=self.cfg.entropy_coeff != 0))
         if routing.routers:
             metrics.update(pass_metrics(routing, self.engine.groups, routing.routers[0].topk))
         if own_old:

@@ -19,6 +19,11 @@ def response_values(values: torch.Tensor, response_len: int) -> torch.Tensor:
     return values[:, T - response_len - 1:T - 1].float()
 
 
+def value_tokens(values: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The critic's per-token results (`ModelEngine.run`'s token_fn): its values, in any sequence layout."""
+    return {"values": values.float()}
+
+
 def values_source(cfg, layout) -> str:
     """Where a PPO step's values come from: "update" (GAE, and one critic step per rollout batch:
     ppo_epochs 1 and one mini-batch, so the critic is unchanged until its update's forward, which
@@ -42,16 +47,16 @@ class CriticWorker:
     def compute_values(self, batch: Dict[str, torch.Tensor], batching: MicroBatching) -> torch.Tensor:
         self.engine.train(False)
 
-        def loss_fn(output, mb):
-            v = response_values(output, mb["response_mask"].shape[1]) * mb["response_mask"]
-            return output.new_zeros(()), {"values": v.detach()}
+        def loss_fn(tokens, mb):
+            v = response_values(tokens["values"], mb["response_mask"].shape[1]) * mb["response_mask"]
+            return v.new_zeros(()), {"values": v.detach()}
 
         keys = ("input_ids", "attention_mask", "response_mask")
-        return run_per_row(self.engine, {k: batch[k] for k in keys}, batching, loss_fn)["values"]
+        return run_per_row(self.engine, {k: batch[k] for k in keys}, batching, loss_fn, value_tokens)["values"]
 
-    def _loss(self, output, mb, share: Share, n_micro: int):
+    def _loss(self, tokens, mb, share: Share, n_micro: int):
         mask = mb["response_mask"]
-        values = response_values(output, mask.shape[1])
+        values = response_values(tokens["values"], mask.shape[1])
         rows = None
         if "values" in mb:
             old, returns = mb["values"], mb["returns"]
@@ -87,7 +92,7 @@ class CriticWorker:
         keys = ("input_ids", "attention_mask", "response_mask") + (("token_rewards",) if own else ("values", "returns"))
         minis = mini_batches(batch, keys, mini_batch_rows, self.cfg.ppo_epochs)
         metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
-                                       self._loss, "critic", apply)
+                                       self._loss, "critic", apply, value_tokens)
         if own:
             batch.update(per_step[0])
         return metrics

@@ -45,14 +45,16 @@ class ModelEngine:
 
         return get_model_config(self.module)
 
-    def run(self, micro_batches: List[Dict[str, torch.Tensor]], loss_fn: Callable, forward_only: bool) -> List[dict]:
+    def run(self, micro_batches: List[Dict[str, torch.Tensor]], loss_fn: Callable, forward_only: bool,
+            token_fn: Callable | None = None) -> List[dict]:
         """Run every micro-batch through the model.
 
         `loss_fn(output, micro_batch) -> (loss_tensor, stats_dict)` runs on the last stage; the
-        schedule divides the loss by the number of micro-batches before backward. Returns the
-        per-micro-batch stats dicts on every rank.
+        schedule divides the loss by the number of micro-batches before backward. With `token_fn`, output
+        is its per-token results as [B, S] tensors in any sequence layout (`models.forward.pipeline_forward`).
+        Returns the per-micro-batch stats dicts on every rank.
         """
-        stats = pipeline_forward(self.module, micro_batches, loss_fn, forward_only)
+        stats = pipeline_forward(self.module, micro_batches, loss_fn, forward_only, token_fn=token_fn)
         return self._from_last_stage(stats if self.groups.is_last_stage else None)
 
     def _from_last_stage(self, obj):

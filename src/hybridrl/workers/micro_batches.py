@@ -118,10 +118,11 @@ def scatter_rows(parts: List[torch.Tensor], plan: List[List[int]], width: int) -
     return out
 
 
-def run_per_row(engine, batch: Dict[str, torch.Tensor], batching: MicroBatching, loss_fn) -> Dict[str, torch.Tensor]:
+def run_per_row(engine, batch: Dict[str, torch.Tensor], batching: MicroBatching, loss_fn,
+                token_fn=None) -> Dict[str, torch.Tensor]:
     """A forward-only pass of `engine` over `batch`: every tensor loss_fn returns per micro-batch,
     put back in row order at the full response width."""
     plan = plan_micro_batches(batch, batching)
-    parts = engine.run(split_rows(batch, plan, width_agreement(engine.groups)), loss_fn, True)
+    parts = engine.run(split_rows(batch, plan, width_agreement(engine.groups)), loss_fn, True, token_fn)
     width = batch["response_mask"].shape[1]
     return {key: scatter_rows([p[key] for p in parts], plan, width) for key in parts[0]}

@@ -20,6 +20,7 @@ import torch
 
 from hybridrl.config import ConfigError
 from hybridrl.data.prompts import left_pad
+from hybridrl.workers.critic import value_tokens
 from hybridrl.workers.engine import ModelEngine, split_micro_batches
 
 
@@ -102,5 +103,6 @@ class RewardModelWorker:
             rows = torch.arange(values.shape[0], device=values.device)
             return values.new_zeros(()), {"scores": values[rows, mb["score_index"]].float()}
 
-        parts = self.engine.run(split_micro_batches(inputs, self.micro_batch_size), loss_fn, True)
+        parts = self.engine.run(split_micro_batches(inputs, self.micro_batch_size),
+                                lambda tokens, mb: loss_fn(tokens["values"], mb), True, value_tokens)
         return torch.cat([p["scores"] for p in parts])

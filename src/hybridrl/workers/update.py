@@ -39,8 +39,9 @@ class Share:
 
 
 def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], batching: MicroBatching,
-               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True):
-    """One optimizer step per mini-batch; `loss_fn(output, mb, share, n_micro) -> (loss, stats)`.
+               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True, token_fn: Callable | None = None):
+    """One optimizer step per mini-batch; `loss_fn(output, mb, share, n_micro) -> (loss, stats)`, output the
+    model's or, with `token_fn`, its per-token results (`ModelEngine.run`).
     apply=False runs the same forwards without backward or step (the dry run).
 
     Returns (mean metrics over the steps, per step the per-row tensors loss_fn returned under
@@ -54,7 +55,7 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
         shares = iter([Share(w, t) for w, t in zip(loss_shares, token_shares)])
         engine.zero_grad()
         optimizer.zero_grad()
-        stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(shares), len(micro)), not apply)
+        stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(shares), len(micro)), not apply, token_fn)
         rows = [s.pop("rows") for s in stats if "rows" in s]
         width = mini["response_mask"].shape[1]
         rows_per_step.append({k: scatter_rows([r[k] for r in rows], plan, width) for k in rows[0]} if rows else {})
