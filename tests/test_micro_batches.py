@@ -115,7 +115,7 @@ def test_resolve_batching_follows_verl_defaults():
     cfg = Config(actor=ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=300,
                                    log_prob_max_token_len_per_gpu=400))
     b = resolve_batching(cfg)
-    assert b.actor_update == MicroBatching(cfg.actor.ppo_micro_batch_size_per_gpu, 300)
+    assert b.actor_update == MicroBatching(cfg.actor.ppo_micro_batch_size_per_gpu, 300, packed=True)
     assert b.actor_log_prob.max_tokens == 400
     assert b.ref_log_prob.max_tokens == 300  # ref budget defaults to actor.ppo_max_token_len_per_gpu
     assert b.critic_update.max_tokens == 32768 and b.critic_values.max_tokens == 32768
@@ -141,3 +141,14 @@ def test_dynamic_batching_ignores_micro_batch_divisibility():
         derive_layout(Config(**base), 1, vocab_size=64)
     dynamic = dict(base, actor=ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3, use_dynamic_bsz=True))
     assert derive_layout(Config(**dynamic), 1, vocab_size=64).actor_mini_batch_samples == 16
+
+
+def test_packed_token_budget_counts_real_tokens_hand_example():
+    # widths 10, 9, 4, 3, 2 (28 real tokens) packed without padding: budget 18 needs 2 micro-batches (padded
+    # counting needs 3); longest first to the lighter one: 10 | 9, then 4 -> 13, 3 -> 13, 2 -> 15 | 13
+    p, r = [5, 5, 2, 2, 1], [5, 4, 2, 1, 1]
+    assert token_budget_plan(p, r, 18, packed=True) == [[0, 3, 4], [1, 2]]
+    batch = _batch(p, r)
+    assert plan_micro_batches(batch, MicroBatching(1, 18, packed=True)) == [[0, 3, 4], [1, 2]]
+    assert token_budget_plan(p, r, 14, packed=True) == [[0], [1], [2, 3, 4]]  # 15 > 14: three parts
+    assert len(plan_micro_batches(batch, MicroBatching(1, 18))) == 3

@@ -16,6 +16,8 @@ class MicroBatching:
     """How one pass splits its rows: `rows` per micro-batch, or a token budget when max_tokens > 0."""
     rows: int
     max_tokens: int = 0
+    packed: bool = False
+    """Rows are packed without padding (model.use_remove_padding): a budget counts real tokens, as verl's does."""
 
     @property
     def dynamic(self) -> bool:
@@ -52,7 +54,8 @@ def resolve_batching(cfg: Config) -> RoleBatching:
         if dynamic and budget < widest:
             raise ConfigError(f"{key}={budget} is below one full row (data.max_prompt_length + "
                               f"data.max_response_length = {widest}); raise it to at least {widest}")
-    specs = [MicroBatching(rows, budget if dynamic else 0) for rows, (dynamic, budget) in zip(
+    packed = cfg.model.use_remove_padding
+    specs = [MicroBatching(rows, budget if dynamic else 0, packed) for rows, (dynamic, budget) in zip(
         (a.ppo_micro_batch_size_per_gpu, a.log_prob_micro_batch_size_per_gpu, r.log_prob_micro_batch_size_per_gpu,
          c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size_per_gpu), budgets.values())]
     return RoleBatching(*specs)

@@ -2,11 +2,10 @@
 
 Rows are split either by a fixed row count (`*_micro_batch_size_per_gpu`) or, with verl's
 `use_dynamic_bsz`, by a token budget (`*_max_token_len_per_gpu`): rows are sorted by real length
-and packed so that every micro-batch computes at most that many positions (rows x its trimmed
-width, padding included, the quantity that bounds activation memory here), with the fewest
-micro-batches the budget allows and their costs balanced. Sorting keeps rows of similar length
-together, so little padding is left to compute (verl balances real-token sums instead, because it
-packs rows without padding). Either way every micro-batch is trimmed to the columns where at least
+and packed so that every micro-batch computes at most that many positions, with the fewest
+micro-batches the budget allows and their costs balanced: real tokens when the forward packs rows
+without padding (model.use_remove_padding, as verl counts), else rows x the trimmed width, padding
+included (what bounds activation memory there; sorting keeps rows of similar length together). Either way every micro-batch is trimmed to the columns where at least
 one of its rows holds a real token by `attention_mask`: shared left padding of the prompts and
 shared right padding of the responses are not computed (expert-parallel peers agree on common widths,
 `parallel/expert_lockstep.py`). Results come back per row, in the batch's
@@ -52,13 +51,37 @@ def _pack(order: Sequence[int], spans_p, spans_r, bound: int) -> List[List[int]]
     return parts + [current] if current else parts
 
 
-def token_budget_plan(spans_p, spans_r, max_tokens: int) -> List[List[int]]:
+def _balanced_real(order: Sequence[int], widths, count: int) -> List[List[int]]:
+    """Rows of `order` (longest first) into `count` micro-batches, each row to the lightest one so far
+    (longest-processing-time-first): real-token loads balanced, as verl balances packed micro-batches."""
+    parts, loads = [[] for _ in range(count)], [0] * count
+    for i in order:
+        j = loads.index(min(loads))
+        parts[j].append(i)
+        loads[j] += widths[i]
+    return [sorted(p) for p in parts if p]
+
+
+def _packed_plan(order: Sequence[int], widths, max_tokens: int) -> List[List[int]]:
+    """The fewest micro-batches of packed rows whose balanced loads stay within max_tokens."""
+    count = -(-sum(widths) // max_tokens)
+    while True:
+        parts = _balanced_real(order, widths, count)
+        if max(sum(widths[i] for i in p) for p in parts) <= max_tokens:
+            return parts
+        count += 1
+
+
+def token_budget_plan(spans_p, spans_r, max_tokens: int, packed: bool = False) -> List[List[int]]:
     """Longest rows first, packed into the fewest micro-batches within max_tokens, then the
-    smallest per-micro-batch bound that still needs no more of them (balanced costs)."""
+    smallest per-micro-batch bound that still needs no more of them (balanced costs). A micro-batch costs
+    rows x its width; with `packed` rows its real tokens, balanced longest-first over the fewest parts."""
     widths = [max(p, 1) + max(r, 1) for p, r in zip(spans_p, spans_r)]
     if max(widths) > max_tokens:
         raise ValueError(f"a row of {max(widths)} tokens does not fit the micro-batch budget of {max_tokens}")
     order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    if packed:
+        return _packed_plan(order, widths, max_tokens)
     count = len(_pack(order, spans_p, spans_r, max_tokens))
     lo, hi = max(widths), max_tokens  # the fewest parts at hi; find the least bound with as few
     while lo < hi:
@@ -74,7 +97,7 @@ def plan_micro_batches(batch: Dict[str, torch.Tensor], batching: MicroBatching) 
         size = max(1, batching.rows)
         return [list(range(i, min(i + size, rows))) for i in range(0, rows, size)]
     spans_p, spans_r = real_spans(batch["attention_mask"], batch["response_mask"].shape[1])
-    return token_budget_plan(spans_p, spans_r, batching.max_tokens)
+    return token_budget_plan(spans_p, spans_r, batching.max_tokens, batching.packed)
 
 
 # ---- cutting and putting back -------------------------------------------------------------
