@@ -13,7 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from hybridrl.checkpoint import CheckpointError, CheckpointManager, read_meta, rng_state, set_rng_state
+from hybridrl.checkpoint import (CheckpointError, CheckpointManager, choose_checkpoint, read_meta, rng_state,
+                                 set_rng_state)
 from hybridrl.checkpoint.folders import POINTER, check_step_folder
 from test_trainer import ROOT, TINY, _overrides
 
@@ -47,8 +48,9 @@ def test_publish_prune_pointer_and_partial_folders(tmp_path):
     assert ckpt.latest().endswith("global_step_6") and 9 not in ckpt.complete_steps()
     _publish(ckpt, 6)  # re-saving a step replaces it whole; leftovers of killed saves go
     assert not os.path.exists(tmp_path / "global_step_8.tmp") and (tmp_path / POINTER).read_text() == "6"
-    assert ckpt.resolve("disable") is None and ckpt.resolve("auto").endswith("global_step_6")
-    assert ckpt.resolve(str(tmp_path / "global_step_4")).endswith("global_step_4")
+    assert choose_checkpoint(ckpt, "disable", True) is None
+    assert choose_checkpoint(ckpt, "auto", True).endswith("global_step_6")  # global_step_9 skipped: no meta.json
+    assert choose_checkpoint(ckpt, str(tmp_path / "global_step_4"), True).endswith("global_step_4")
 
 
 def test_prune_counts_actor_and_critic_apart(tmp_path):

@@ -1,13 +1,15 @@
-"""Checkpoint folders on disk: naming, atomic publication, the pointer file, pruning, resume resolution.
+"""Checkpoint folders on disk: naming, atomic publication, the pointer file, pruning, what a resume may take.
 
 A save writes everything into `global_step_{k}.tmp/`; `publish` (rank 0, after every rank finished)
 writes meta.json last, renames the folder to `global_step_{k}` and only then replaces the pointer
 file. A folder counts as a checkpoint only when it has that name and a meta.json, so a process
 killed mid-save leaves a `.tmp` folder that is never taken for one (and is removed by the next
-save). Only then are old checkpoints pruned, each role's part on its own count (verl's
-trainer.max_{actor,critic}_ckpt_to_keep): a part, or a step folder with no part left, is renamed to a
-`.tmp` name before it is deleted, so an interrupted deletion never leaves a torn checkpoint.
-No torch.distributed here: the writer (`writer.py`) calls these on the right ranks.
+save). meta.json also lists every file with its size and crc32 (`integrity.py`), so a checkpoint damaged
+after publication (a truncated or lost shard) is recognised before it is loaded. Only then are old checkpoints
+pruned, each role's part on its own count (verl's trainer.max_{actor,critic}_ckpt_to_keep), counting only parts
+whose files have their saved sizes: a damaged part is neither counted nor deleted. A part, or a step folder with
+no part left, is renamed to a `.tmp` name before it is deleted, so an interrupted deletion never leaves a torn
+checkpoint. No torch.distributed here: the writer (`writer.py`) calls these on the right ranks.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
+
+from hybridrl.checkpoint.integrity import FILES, first_damage
 
 POINTER = "latest_checkpointed_iteration.txt"  # verl's name
 META = "meta.json"
@@ -113,17 +117,19 @@ class CheckpointManager:
 
     def prune(self, newest: int) -> None:
         """Delete each role's part of the complete checkpoints beyond its limit, oldest steps first; the
-        checkpoint just published (`newest`) always stays, partial `.tmp` folders are never counted, and
-        a step folder whose parts are all gone goes whole."""
+        checkpoint just published (`newest`) always stays, partial `.tmp` folders are never counted, a part
+        whose files lack their saved sizes is neither counted nor deleted (so the newest intact part stays
+        while a newer one is damaged), and a step folder whose parts are all gone goes whole."""
         steps = sorted(self.complete_steps())
         listed = {s: self.listed_roles(s) for s in steps}
         kept = {s: {r for r in listed[s] if os.path.isdir(os.path.join(self.step_dir(s), r))} for s in steps}
+        whole = {s: {r for r in kept[s] if not step_damage(self.step_dir(s), False, parts=(r,))} for s in steps}
         for role in sorted(set().union(*kept.values())):
             limit = self.limit(role)
             if limit is None:
                 continue
-            older = [s for s in steps if role in kept[s] and s != newest]
-            room = limit - (role in kept.get(newest, ()))  # the newest counts against the limit
+            older = [s for s in steps if role in whole[s] and s != newest]
+            room = limit - (role in whole.get(newest, ()))  # the newest counts against the limit
             for s in older[:max(0, len(older) - room)]:
                 _remove(os.path.join(self.step_dir(s), role))
                 kept[s].discard(role)
@@ -141,24 +147,32 @@ class CheckpointManager:
         return [int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(self.root))
                 if m and os.path.isfile(os.path.join(self.root, m.group(0), META))]
 
+    def _pointer(self) -> Optional[int]:
+        """The step the pointer file names, if it names one."""
+        pointer = os.path.join(self.root, POINTER)
+        text = open(pointer).read().strip() if os.path.isfile(pointer) else ""
+        return int(text) if text.isdigit() else None
+
     def latest(self) -> Optional[str]:
         """The pointer's step when that folder is complete, else the highest complete step."""
-        pointer = os.path.join(self.root, POINTER)
-        if os.path.isfile(pointer):
-            text = open(pointer).read().strip()
-            if text.isdigit() and os.path.isfile(os.path.join(self.step_dir(int(text)), META)):
-                return self.step_dir(int(text))
+        pointer = self._pointer()
+        if pointer is not None and os.path.isfile(os.path.join(self.step_dir(pointer), META)):
+            return self.step_dir(pointer)
         steps = self.complete_steps()
         return self.step_dir(max(steps)) if steps else None
 
-    def resolve(self, resume_mode: str) -> Optional[str]:
-        """trainer.resume_mode: auto → latest complete checkpoint or None; disable → None; else a path."""
-        if resume_mode == "disable":
-            return None
-        if resume_mode == "auto":
-            return self.latest()
-        check_step_folder(resume_mode)
-        return resume_mode
+    def candidates(self) -> List[str]:
+        """Every global_step_* folder, meta.json or not, in the order a resume tries them: the pointer's
+        step first (the last one published), then the highest steps first."""
+        if not os.path.isdir(self.root):
+            return []
+        steps = sorted((int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(self.root))
+                        if m and os.path.isdir(os.path.join(self.root, m.group(0)))), reverse=True)
+        pointer = self._pointer()
+        if pointer in steps:
+            steps.remove(pointer)
+            steps.insert(0, pointer)
+        return [self.step_dir(s) for s in steps]
 
 
 def _remove(path: str) -> None:
@@ -188,3 +202,27 @@ def check_step_folder(path: str, what: str = "trainer.resume_mode") -> None:
     raise CheckpointError(f"{where} is not a complete checkpoint (no {META}"
                           + ("; an interrupted save" if partial else "")
                           + "); pass a published global_step_* folder")
+
+
+def step_damage(path: str, digests: bool, share: Tuple[int, int] = (0, 1),
+                parts: Optional[Iterable[str]] = None) -> Optional[Tuple[int, str]]:
+    """(index, what is wrong) when the global_step_* folder `path` is not whole: no or an unreadable meta.json
+    (index -1), else the first damaged file of this rank's share (`integrity.first_damage`; `parts` limits the
+    check to those parts). None when whole, or when meta.json lists no files (saved before they were listed)."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return -1, f"it has no {META}" + ("; the folder is empty" if not os.listdir(path) else "")
+    except (OSError, ValueError) as err:
+        return -1, f"its {META} cannot be read ({err})"
+    files = meta.get(FILES) if isinstance(meta, dict) else None
+    return first_damage(path, files, digests, share, parts) if files else None
+
+
+def lists_files(path: str) -> bool:
+    """Whether the checkpoint's meta.json lists its files (those saved before this was recorded do not)."""
+    try:
+        return bool(read_meta(path).get(FILES))
+    except (CheckpointError, AttributeError):
+        return False

@@ -8,11 +8,13 @@ at any TP x PP x DP. Optimizer states follow their parameters' layout under mega
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch.distributed as dist
 
 from hybridrl.checkpoint.folders import CheckpointError
+from hybridrl.checkpoint.resume import naming_damage
 from hybridrl.models.critic import ValueHead, critic_sharded_state_dict
 from hybridrl.models.hf_checkpoint import unwrap_model
 
@@ -91,8 +93,9 @@ def load_role(worker, folder: str, role: str) -> None:
     """Fill this rank's model and optimizer shards from `folder`, whatever layout wrote it."""
     from megatron.core import dist_checkpointing
 
-    check_shapes(model_sharded_state(worker.engine.module), folder, role)
-    loaded = dist_checkpointing.load(role_state(worker, is_loading=True), folder)
+    with naming_damage(os.path.dirname(os.path.normpath(folder)), role):
+        check_shapes(model_sharded_state(worker.engine.module), folder, role)
+        loaded = dist_checkpointing.load(role_state(worker, is_loading=True), folder)
     fill_model(worker.engine.module, loaded["model"], folder, role)
     worker.optimizer.load_sharded_state_dict(loaded["optimizer"])
 

@@ -3,7 +3,8 @@ streams, and meta.json (step, data loader position, KL coefficient, layout, HF c
 
     global_step_{k}/actor/ , critic/   torch_dist folders (model + optimizer, one copy per shard)
     global_step_{k}/rng/rank_{r}.pt    RNG streams, restored only at the layout they were saved at
-    global_step_{k}/meta.json          written last, then the folder is renamed into place
+    global_step_{k}/meta.json          written last, with every file's size and crc32, then the folder is
+                                       renamed into place
 With `async_save` the shards are written by megatron-core's async writer (a forked process that
 sees this moment's tensors; on GPU a host copy is taken first) while training goes on; `poll`
 after each step and `finalize` publish the folder once every rank is done, and a new save first
@@ -22,7 +23,9 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from hybridrl.checkpoint.folders import PARTIAL, CheckpointError, CheckpointManager, read_meta
+from hybridrl.checkpoint.folders import META, PARTIAL, CheckpointError, CheckpointManager, read_meta
+from hybridrl.checkpoint.integrity import FILES, list_files, record
+from hybridrl.checkpoint.resume import naming_damage
 from hybridrl.checkpoint.rng import rng_state, set_rng_state
 from hybridrl.checkpoint.sharded import load_role, save_role
 from hybridrl.log import os_error_message
@@ -96,7 +99,20 @@ class CheckpointWriter:
 
     def _publish(self, step: int, meta: dict) -> None:
         dist.barrier()  # every rank's writes are done
-        self._agree(step, lambda: self.folders.publish(step, meta) if dist.get_rank() == 0 else None)
+        files = self._record_files(step)
+        self._agree(step, lambda: self.folders.publish(step, dict(meta, **{FILES: files}))
+                    if dist.get_rank() == 0 else None)
+
+    def _record_files(self, step: int) -> dict:
+        """Every file of the written folder with its size and crc32, each rank reading every world-th file."""
+        tmp, rank, world = self.folders.step_dir(step) + PARTIAL, dist.get_rank(), dist.get_world_size()
+        names = [list_files(tmp, skip=(META,)) if rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        mine = {}
+        self._agree(step, lambda: mine.update(record(tmp, names[0][rank::world])))
+        shares = [None] * world
+        dist.all_gather_object(shares, mine)
+        return {name: share[name] for share in shares for name in share}
 
     def _agree(self, step: int, write) -> None:
         """Run `write` on this rank; when it fails on any rank, raise the same CheckpointError on all."""
@@ -163,5 +179,7 @@ def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict
         load_role(worker, folder, role)
     rng = _rng_file(path, dist.get_rank())
     if meta["layout"] == layout and os.path.isfile(rng):
-        set_rng_state(torch.load(rng, weights_only=False))
+        with naming_damage(path, RNG_DIR, path=rng):
+            state = torch.load(rng, weights_only=False)
+        set_rng_state(state)
     return meta

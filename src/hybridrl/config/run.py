@@ -36,6 +36,8 @@ class TrainerConfig:
     """auto (latest in default_local_dir), disable, or a checkpoint path."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on (published when complete)."""
+    verify_checkpoint_digests: bool = True
+    """Before resuming, compare every checkpoint file's crc32 with the one saved (sizes are always compared)."""
     export_hf_dir: str = ""
     """Write the final actor as an HF folder here; empty disables."""
     log_dir: str = "outputs/tensorboard"

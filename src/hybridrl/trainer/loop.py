@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, load_checkpoint
+from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint, load_checkpoint
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
 from hybridrl.trainer.ppo import PPOTrainer, TrainingError
@@ -191,7 +191,8 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     tc = cfg.trainer
     ckpt = CheckpointManager(tc.default_local_dir, {"actor": tc.max_actor_ckpt_to_keep,
                                                     "critic": tc.max_critic_ckpt_to_keep})
-    resume_from = None if dry_run else ckpt.resolve(tc.resume_mode)  # a bad path fails before any model is built
+    # a bad path or no intact checkpoint fails before any model is built
+    resume_from = None if dry_run else choose_checkpoint(ckpt, tc.resume_mode, tc.verify_checkpoint_digests)
     print0(to_yaml(cfg))
     print0(f"layout: {layout.describe()}")
     total = _total_steps(cfg, train_loader)
