@@ -284,3 +284,180 @@ def test_dummy_folder_describes_the_spec(tmp_path):
     with open(f"{folder}/config.json") as f:
         cfg = json.load(f)
     assert cfg["model_type"] == "qwen2" and spec_from_hf_config(cfg) == spec
+
+
+# ---- vLLM 0.33's own names and shapes (tests/data/vllm_0_33_names.json, from tests/vllm_033_names.py) --------
+
+def _fixture() -> dict:
+    import pathlib
+
+    with open(pathlib.Path(__file__).parent / "data" / "vllm_0_33_names.json") as f:
+        return json.load(f)
+
+
+def _narrow(t, span):
+    return t if span is None else t.narrow(span[0], span[1], span[2] - span[1])
+
+
+class _FixtureModel:
+    """One fixture model on one TP rank: the parameters vLLM 0.33 registers (NaN until written) and the copies
+    its weight loaders make, as the fixture records them."""
+
+    def __init__(self, case: dict, rank: int):
+        self.case, self.rank = case, rank
+        self.params = {n: torch.full(shape, float("nan")) for n, shape in case["params"].items()}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            entry = self.case["loads"][name][self.rank]
+            dst = self.params[entry["param"]]
+            dst = dst if entry["index"] is None else dst[entry["index"]]
+            if entry["zero_rest"]:
+                dim, _, stop = entry["into"]
+                dst.narrow(dim, stop, dst.shape[dim] - stop).zero_()
+            _narrow(dst, entry["into"]).copy_(_narrow(t, entry["src"]))
+
+
+def _hf_bucket(spec, seed=0):
+    from hybridrl.models import hf_convert as hc
+
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(shape, generator=g)) for n, shape in hc.hf_shapes(spec).items()]
+
+
+def _worker(model):
+    return types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
+
+
+def _read_back_problems(key: str, case: dict) -> list:
+    from hybridrl.models.hf_config import spec_from_hf_config
+    from hybridrl.placement.fingerprint import hf_region, weight_digest
+    from hybridrl.rollout.vllm_layout import stored_slice
+
+    spec, tp, problems = spec_from_hf_config(case["hf_config"]), case["tp"], []
+    for rank in range(tp):
+        model, bucket = _FixtureModel(case, rank), _hf_bucket(spec, rank)
+        if {n for n, _ in bucket} != set(case["loads"]):
+            return [f"{key}: the stream's names differ from those vLLM loads"]
+        try:
+            got = vllm_adapter.load_weights_on_worker(_worker(model), bucket, spec, tp, rank, "exact")
+            for name, t in bucket:
+                src = case["loads"][name][rank]["src"]
+                view, region = stored_slice(name, model.params, spec, tp, rank)
+                if region != (None if src is None else tuple(src)) or got[name].region != region:
+                    problems.append(f"{key} rank {rank} {name}: region {region}, vLLM loads {src}")
+                elif view.shape != _narrow(t, src).shape or not torch.equal(view, _narrow(t, src)):
+                    problems.append(f"{key} rank {rank} {name}: read back {tuple(view.shape)} other than it stored")
+                elif got[name].digest != weight_digest(hf_region(t, region), "exact"):
+                    problems.append(f"{key} rank {rank} {name}: digest of another slice")
+        except (KeyError, ValueError) as e:
+            problems.append(f"{key} rank {rank}: {type(e).__name__}: {e}")
+        unwritten = [n for n, p in model.params.items() if p.isnan().any()]
+        if unwritten:  # sleep level 2 discards every parameter: one stream must rewrite all of them
+            problems.append(f"{key} rank {rank}: the stream leaves {unwritten[:2]} unwritten")
+    return problems
+
+
+def test_every_name_the_adapter_writes_and_reads_back_resolves_in_vllm_0_33():
+    """Qwen2, Qwen3, Llama, Qwen3-MoE, Mixtral (and a tied Qwen2 with one KV head) at TP 1 and 2, on every rank:
+    each HF tensor of the stream is read back from the parameter vLLM 0.33 loads it into, at the slice and size
+    its loader wrote, and together they rewrite every parameter. The fixture is what its generator derives."""
+    import vllm_033_names
+
+    fixture = _fixture()
+    assert "0.33.0" in fixture["vllm"] and "Derived by hand from vLLM 0.33.0's source" in fixture["derivation"]
+    assert set(fixture["models"]) == {f"{c}/tp{tp}" for c in vllm_033_names.CASES for tp in vllm_033_names.TPS}
+    for key, case in fixture["models"].items():
+        assert vllm_033_names.derive(case["hf_config"], case["tp"]) == {k: case[k] for k in ("params", "loads")}, key
+    problems = [p for key, case in sorted(fixture["models"].items()) for p in _read_back_problems(key, case)]
+    assert problems == [], "\n".join(problems[:20])
+
+
+def test_a_padded_or_reordered_expert_layout_is_refused_not_misread():
+    """FlashInfer's TRT-LLM MoE pads each expert's intermediate rows to 128: reading at the spec's offsets would
+    digest the wrong rows, so the read-back names the backend to pin instead."""
+    from hybridrl.models.hf_config import spec_from_hf_config
+    from hybridrl.rollout.vllm_layout import stored_slice
+
+    case = _fixture()["models"]["qwen3_moe/tp1"]
+    spec = spec_from_hf_config(case["hf_config"])
+    params = {n: torch.zeros(shape) for n, shape in case["params"].items()}
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    params[w13] = torch.zeros(spec.num_experts, 2 * 128, spec.hidden_size)
+    with pytest.raises(ValueError, match=r"w13_weight.*\(4, 256, 64\), not \(4, 64, 64\).*moe_backend=triton"):
+        stored_slice("model.layers.0.mlp.experts.1.up_proj.weight", params, spec, 1, 0)
+
+
+def test_the_worker_refuses_expert_weights_of_a_non_triton_backend():
+    """The fused parameter's loader belongs to the MoE layer whose quant method names its backend (as NeMo-RL
+    reads it); FlashInfer CUTLASS keeps w13 as [up; gate], so streamed weights would land swapped."""
+    from hybridrl.models.hf_config import spec_from_hf_config
+
+    case = _fixture()["models"]["mixtral/tp1"]
+    spec = spec_from_hf_config(case["hf_config"])
+    for backend, refused in (("TRITON", False), ("FLASHINFER_CUTLASS", True)):
+        model = _FixtureModel(case, 0)
+        owner = types.SimpleNamespace(quant_method=types.SimpleNamespace(
+            unquantized_backend=types.SimpleNamespace(name=backend)), load=lambda *a: None)
+        model.params["model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"].weight_loader = \
+            types.MethodType(lambda self, *a: None, owner)
+        if refused:
+            with pytest.raises(RuntimeError, match="FLASHINFER_CUTLASS MoE backend.*moe_backend='triton'"):
+                vllm_adapter.load_weights_on_worker(_worker(model), _hf_bucket(spec), spec, 1, 0, "fingerprint")
+        else:
+            vllm_adapter.load_weights_on_worker(_worker(model), _hf_bucket(spec), spec, 1, 0, "fingerprint")
+
+
+class _FixtureLLM(_FakeLLM):
+    """_FakeLLM whose worker holds a fixture model: collective_rpc runs the adapter's functions on it."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.model = _FixtureModel(case, 0)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method.__name__))
+        if method is vllm_adapter.process_weights_on_worker:
+            return [None]
+        return [method(_worker(self.model), *args, **(kwargs or {}))]
+
+
+def test_sleep_discards_the_weights_and_generate_waits_for_all_of_them_then_processes_once(monkeypatch):
+    """Level 2: no host copy of weights the next sync overwrites; a generate before every weight is back is
+    refused (it would sample from freed memory); vLLM's post-load step runs once, after the last bucket."""
+    from hybridrl.models.hf_config import spec_from_hf_config
+
+    monkeypatch.setattr(vllm_adapter, "import_vllm", lambda: types.SimpleNamespace(SamplingParams=_FakeSamplingParams))
+    case = _fixture()["models"]["qwen3_moe/tp1"]
+    spec = spec_from_hf_config(case["hf_config"])
+    llm = _FixtureLLM(case)
+    engine = vllm_adapter.VLLMEngine(spec, llm=llm, eos_id=2)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=3)
+    engine.sleep()
+    bucket = _hf_bucket(spec)
+    engine.load_weights(bucket[:10])
+    engine.load_weights(bucket[10:-1])
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match=r"discarded its weights at sleep \(level 2\) and 1 were not streamed in"):
+        engine.generate([[1, 2]], sampling)
+    engine.load_weights(bucket[-1:])
+    engine.generate([[1, 2]], sampling)
+    engine.generate([[3]], sampling)
+    rpcs = [c[1] for c in llm.calls if c[0] == "rpc"]
+    assert rpcs == ["load_weights_on_worker"] * 3 + ["process_weights_on_worker"]
+    assert llm.calls[0] == ("sleep", 2) and [c for c in llm.calls if c[0] == "generate"] == [("generate", 1)] * 2
+
+
+def test_process_weights_on_worker_calls_vllms_post_load_step(monkeypatch):
+    seen = []
+    utils = types.SimpleNamespace(process_weights_after_loading=lambda *a: seen.append(a))
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.utils", utils)
+    model = torch.nn.Linear(2, 2)
+    runner = types.SimpleNamespace(get_model=lambda: model, model="a CUDA-graph wrapper", model_config="cfg")
+    vllm_adapter.process_weights_on_worker(types.SimpleNamespace(model_runner=runner))
+    assert seen == [(model, "cfg", model.weight.device)]
