@@ -30,9 +30,14 @@
 #           ran), native rollout vs generate @64, handoff vs memcpy (direct shard path and bucketed path),
 #           and the GRPO run's per-stage peak memory against the planner
 #   resume  distributed optimizer: 4 steps straight vs 2 + resume + 2; the weights must agree
+#   vllm    only where vLLM imports (requirements-gpu.txt's range; the image lacks it, and it is too big to
+#           travel as a wheel): benchmarks/gpu_vllm_check.py for a dense (qwen2) and an MoE (qwen3_moe) tiny
+#           model at TP 2 (TP 1 on one GPU): verified handoff, vLLM's parameter names and shapes against
+#           tests/data/vllm_0_33_names.json, greedy tokens and processed log-probs of vLLM vs the actor.
+#           Its limit (VLLM_LIMIT_S, 150 s) is added to BUDGET_S only then: such a run fits once per session.
 # Results under $OUT (or outputs/gpu_check): summary.md (stage, status, seconds), gpu_check.log
 # (every stage's output), gpu_section.md (RESULTS.md's `gpu` section; paste it here with
-# `python benchmarks/gpu_check.py paste FILE`), tests.md, bench.md, grpo.md, resume.md.
+# `python benchmarks/gpu_check.py paste FILE`), tests.md, bench.md, grpo.md, resume.md, vllm_<family>.md.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -125,9 +130,12 @@ export PYTHONPATH="$ROOT/src:$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 # Time limits (s) per stage on the GPU; on CPU (smoke) each is SMOKE_SCALE times longer. Their sum and a
 # few seconds for the report must fit BUDGET_S.
 declare -A LIMIT=([wheels]=30 [env]=10 [tests]=65 [grpo]=90 [bench]=90 [resume]=45)
+HAVE_VLLM=$("$PY" -c "import importlib.util as u; print(int(u.find_spec('vllm') is not None))" 2>/dev/null || echo 0)
+VLLM_BUDGET=0
+if [ "$HAVE_VLLM" = 1 ]; then LIMIT[vllm]=${VLLM_LIMIT_S:-150} VLLM_BUDGET=${VLLM_LIMIT_S:-150}; fi
 SCALE=1
 [ "$MODE" = smoke ] && SCALE="${SMOKE_SCALE:-4}"
-BUDGET_S=$(( ${BUDGET_S:-335} * SCALE ))
+BUDGET_S=$(( (${BUDGET_S:-335} + VLLM_BUDGET) * SCALE ))
 planned=0
 for name in "${!LIMIT[@]}"; do LIMIT[$name]=$((LIMIT[$name] * SCALE)); planned=$((planned + LIMIT[$name])); done
 if [ $((planned + 5 * SCALE)) -gt "$BUDGET_S" ]; then
@@ -225,8 +233,18 @@ grpo_check() {
   "$PY" benchmarks/gpu_check.py grpo-report --tb "$WORK/grpo/tb" --steps "$STEPS" --out "$OUTDIR/grpo.md" -- $GRPO
 }
 
+vllm_check() {  # vLLM against the actor: a dense and an MoE model, at TP 2 where two GPUs are there
+  local tp=2 family rc=0
+  [ "$("$PY" -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || { tp=1; echo "one GPU: TP 1, not 2"; }
+  for family in qwen2 qwen3_moe; do
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node="$tp" benchmarks/gpu_vllm_check.py \
+      --family "$family" --work "$WORK" --out "$OUTDIR/vllm_$family.md" || rc=1
+  done
+  return $rc
+}
+
 export PY WORK OUTDIR STEPS GRPO RESUME PYTEST_ARGS MODE SITE WHEELS WHEEL_DIR TRAVEL_LIMIT_BYTES ROOT
-export -f env_report paths train tests_check resume_check grpo_check wheel_files check_wheels install_wheels
+export -f env_report paths train tests_check resume_check grpo_check wheel_files check_wheels install_wheels vllm_check
 if ! stage wheels install_wheels; then
   grep -E "^error:" "$LOG" | tail -3 >&2
   if [ "$MODE" = full ]; then  # nothing below would import megatron-core
@@ -243,6 +261,11 @@ stage grpo grpo_check
 stage bench "$PY" benchmarks/bench_gpu.py $BENCH_ARGS --fragment "$OUTDIR/bench.md" \
   --memory-from "$WORK/grpo/tb" -- $GRPO
 stage resume resume_check
+if [ "$HAVE_VLLM" = 1 ]; then
+  stage vllm vllm_check
+else
+  echo "| vllm | not run (vLLM does not import here) | 0 |" >> "$SUMMARY"
+fi
 "$PY" benchmarks/gpu_check.py section --dir "$OUTDIR" --out "$OUTDIR/gpu_section.md" >> "$LOG" 2>&1
 echo "total: ${SECONDS}s (budget ${BUDGET_S}s, stage limits ${planned}s, mode $MODE)" >> "$SUMMARY"
 cat "$SUMMARY"
