@@ -47,7 +47,7 @@ import torch.distributed as dist
 from hybridrl.config import RolloutConfig
 from hybridrl.config.checks import ConfigError
 from hybridrl.models import hf_convert as hc
-from hybridrl.models.gpt import GPTSpec
+from hybridrl.models.gpt import DTYPES, GPTSpec
 from hybridrl.models.hf_config import hf_config_from_spec
 from hybridrl.placement.reshard import join_requests, new_rollout_groups
 from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output
@@ -62,7 +62,6 @@ INSTALL_HINT = "pip install -r requirements-gpu.txt"
 SLEEP_TAGS = ("weights", "kv_cache")  # what LLM.wake_up(tags=...) can wake separately
 SLEEP_LEVEL = 2  # weights and KV cache discarded: the weights are streamed in again before generating
 CANONICAL_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")  # keep the checkpoint layout of expert weights
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _version_tuple(version: str) -> tuple:
