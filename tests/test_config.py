@@ -95,16 +95,53 @@ def test_wrong_type_names_key_and_type(override, key, expected):
     ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len must be > 0"),
     ("reward.gsm8k_method=lenient", "'lenient' is not one of strict, flexible, flexible_lenient"),
     ("algorithm.filter_groups.metric=''", "algorithm.filter_groups.metric must name a value"),
+    ("algorithm.rollout_correction.rollout_is=seq", "rollout_is='seq' is not one of null, token, sequence"),
+    ("algorithm.rollout_correction.rollout_is_threshold=0.5_x", "must be a positive number or 'lower_upper'"),
+    ("algorithm.rollout_correction.rollout_rs=seq_max_k1", "unknown option(s) ['seq_max_k1']"),
+    ("algorithm.rollout_correction.rollout_rs=token_k3", "needs algorithm.rollout_correction.rollout_rs_threshold"),
+    ("algorithm.rollout_correction.loss_type=ppo", "loss_type='ppo' is not one of ppo_clip, reinforce"),
 ])
 def test_section_rules(override, fragment):
     assert fragment in _error([override])
 
 
 @pytest.mark.parametrize("old,new", [("rollout.val_n", "rollout.val_kwargs.n"),
-                                     ("rollout.val_temperature", "rollout.val_kwargs.temperature")])
+                                     ("rollout.val_temperature", "rollout.val_kwargs.temperature"),
+                                     ("actor.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold")])
 def test_moved_keys_name_their_verl_replacement(old, new):
     msg = _error([f"{old}=2"])
     assert f"'{old}' is now '{new}" in msg and "rename it" in msg
+
+
+SPLIT = ["placement.mode=split", "placement.rollout_world_size=1"]
+
+
+@pytest.mark.parametrize("extra,expect", [
+    ([], None),  # synchronous: the engine runs the trained policy, metrics only (verl's default)
+    (SPLIT + ["async_training.staleness_threshold=1"], "token"),
+    (SPLIT + ["async_training.staleness_threshold=1", "async_training.partial_rollout=true"], "token"),
+    (SPLIT + ["async_training.staleness_threshold=1", "algorithm.rollout_correction.rollout_is=null"], None),
+    (SPLIT + ["async_training.staleness_threshold=1", "algorithm.rollout_correction.rollout_is=sequence"], "sequence"),
+])
+def test_async_training_defaults_to_token_is_and_the_resolved_config_shows_it(extra, expect):
+    """verl's advice: the engine lags the trainer with staleness >= 1 or partial rollout, so token-level IS
+    truncated at 2 is on unless the user says otherwise (null included)."""
+    from hybridrl.config.io import to_yaml
+
+    cfg = load_config(TINY, extra)
+    correction = cfg.algorithm.rollout_correction
+    assert correction.rollout_is == expect and correction.rollout_is_threshold == 2.0
+    assert f"rollout_is: {expect or 'null'}" in to_yaml(cfg)
+
+
+def test_config_files_layer_left_to_right(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("algorithm:\n  rollout_correction:\n    rollout_rs: seq_mean_k3\n    rollout_rs_threshold: 0.01\n"
+                      "data:\n  train_batch_size: 8\n")
+    cfg = load_config(f"{TINY},{recipe}", ["data.train_batch_size=16"])
+    assert cfg.algorithm.rollout_correction.rollout_rs == "seq_mean_k3" and cfg.data.train_batch_size == 16
+    assert cfg.model == load_config(TINY).model
+    assert load_config(f"{TINY},{recipe}").data.train_batch_size == 8
 
 
 def test_overlong_buffer_must_fit_in_the_response_length():
@@ -130,7 +167,7 @@ def _layout_error(overrides, world):
 
 def test_world_size_must_be_tp_pp_dp():
     msg = _layout_error(["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"], 6)
-    assert "world size 6 is not divisible by tp (2) * pp (2)" in msg
+    assert "world size 6 is not divisible by tp (2) * cp (1) * pp (2)" in msg
 
 
 def test_heads_and_groups_divisible_by_tp():
@@ -200,3 +237,19 @@ def test_yaml_boolean_words_stay_words_for_string_keys(tmp_path):
     cfg = load_config(str(path), ["actor.router_replay=off"])
     assert cfg.rollout.verify_weights == "off" and cfg.actor.router_replay == "off"
     assert load_config("", ["trainer.val_before_train=off"]).trainer.val_before_train is False  # bool keys stay bools
+
+
+def test_long_sequence_layout_rules():
+    """CP enters the world size; CP runs on packed rows and colocated; MoE at TP 2 needs sequence parallelism."""
+    moe = ["model.architecture=qwen3_moe", "parallel.tensor_model_parallel_size=2"]
+    assert derive_layout(load_config(TINY, moe), 2).tp == 2  # sequence parallel by default at TP > 1
+    assert "needs sequence parallelism" in _layout_error(moe + ["parallel.sequence_parallel=false"], 2)
+    layout = derive_layout(load_config(TINY, ["parallel.context_parallel_size=2"]), 4)
+    assert (layout.cp, layout.dp) == (2, 2) and "cp=2" in layout.describe()
+    assert "tp (1) * cp (2) * pp (1)" in _layout_error(["parallel.context_parallel_size=2"], 3)
+    assert "model.use_remove_padding=true" in _layout_error(["parallel.context_parallel_size=2",
+                                                               "model.use_remove_padding=false"], 2)
+    assert "placement.mode=split" in _layout_error(["parallel.context_parallel_size=2", "placement.mode=split",
+                                                     "placement.rollout_world_size=1"], 3)
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size must be >= 1"):
+        load_config(TINY, ["parallel.context_parallel_size=0"])

@@ -328,7 +328,7 @@ def _size_config(name, *overrides):
 
 
 def test_72b_on_two_nodes_is_refused_with_the_fix():
-    cfg = _size_config("qwen2_72b.yaml", "parallel.pipeline_model_parallel_size=2")
+    cfg = _size_config("qwen2_72b.yaml", "parallel.pipeline_model_parallel_size=2", "parallel.sequence_parallel=false")
     with pytest.raises(PlanError, match=r"(?s)biggest consumer actor/optimizer.*pipeline_model_parallel_size"):
         plan(cfg, 16)
     cfg = _size_config("qwen2_72b.yaml", "parallel.pipeline_model_parallel_size=1",
@@ -377,11 +377,11 @@ def test_plan_layout_script(capsys):
     assert "TP             4 x 4: [0,1,2,3] [4,5,6,7] [8,9,10,11] [12,13,14,15]" in out
     assert "DP             4 x 4: [0,4,8,12]" in out and "<- peak" in out and ": fits" in out
     assert main(["--config", os.path.join(CONFIGS, "qwen2_72b.yaml"), "--nodes", "2",
-                 "parallel.pipeline_model_parallel_size=2"]) == 2
+                 "parallel.pipeline_model_parallel_size=2", "parallel.sequence_parallel=false"]) == 2
     captured = capsys.readouterr()
     assert "DOES NOT FIT" in captured.out and "error: layout does not fit" in captured.err
     assert main(["--config", os.path.join(CONFIGS, "qwen2_72b.yaml"), "--nodes", "1"]) == 2  # tp*pp = 32 > 8
-    assert "not divisible by tp (8) * pp (4)" in capsys.readouterr().err
+    assert "not divisible by tp (8) * cp (1) * pp (4)" in capsys.readouterr().err
 
 
 def test_reward_model_phase_weights_and_offload(tmp_path):
@@ -428,3 +428,21 @@ def test_token_budget_sizes_the_planned_micro_batches():
                                     f"actor.ppo_max_token_len_per_gpu={4 * seq}"), 8)
     assert doubled.phase("actor update").bytes("actor/logits") == pytest.approx(
         2 * fixed.phase("actor update").bytes("actor/logits"), rel=1e-12)
+
+
+def test_sequence_and_context_parallel_activation_terms_by_hand():
+    """SP divides the norms' 6·s·b·h·e by TP; CP divides every token-wise term by CP and adds the gathered
+    K and V of the other ranks; packed rows keep no mask. Hand numbers for a small dense layer (fp32)."""
+    arch = mem.Arch(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=96, vocab_size=1000, head_dim=16, tie_word_embeddings=False, qkv_bias=False)
+    s, b, tp, e = 128, 2, 2, 4
+    replicated = 6 * s * b * 64 * e
+    sharded = (2 * s * b * 6 * 16 + 5 * s * b * 96) * e / tp
+    lse = 4 * s * b * 4 / tp
+    assert mem.layer_activation_bytes(arch, s, b, tp, "float32") == replicated + sharded + lse
+    sp = mem.SeqSplit(sp=tp)
+    assert mem.layer_activation_bytes(arch, s, b, tp, "float32", split=sp) == replicated / tp + sharded + lse
+    cp = mem.SeqSplit(cp=2, packed=True)
+    gathered = 2 * (s * b / 2) * 1 * 2 * 16 * e / tp  # the other rank's K and V: 2 KV heads of 16
+    assert mem.layer_activation_bytes(arch, s, b, tp, "float32", split=cp) == (replicated + sharded + lse) / 2 + gathered
+    assert mem.mask_bytes(s, b, "float32") == b * s * s * e and mem.mask_bytes(s, b, "float32", cp) == 0

@@ -29,6 +29,11 @@ g heads, no scores kept; SwiGLU, no dropout), tensor parallel without sequence p
                                     it), Q's contiguous copy, normalised Q and K
     attention    4·s·b·a / t        the fused kernel's fp32 log-sum-exp per query and head
 and once per micro batch, shared by its layers, the additive attention mask b·s²·e (`mask_bytes`).
+Long sequences (`SeqSplit`): sequence parallelism divides the replicated terms (norms, residuals, the final
+norm, recomputation's layer inputs) by t; context parallelism divides every token-wise term by CP and adds
+the other ranks' K and V each layer keeps after the all-gather, 2·s·b·(CP-1)/CP·g·d·e/t; packed rows keep
+no mask (per-sequence causal kernels). Packed micro batches are counted at their rows x the padded width,
+an upper bound of their real tokens.
 megatron's unfused attention (not built here) would save instead K and V expanded to all a heads and
 the scores, a·s²·b·(4 + e) / t per layer.
 Full recomputation keeps each layer's input (s·b·h·e) and rebuilds one layer at a time in backward.
@@ -195,23 +200,41 @@ def stage_state_bytes(arch: Arch, tp: int, pp: int, stage: int, dp: int, ep: int
     return {kind: dense[kind] + expert[kind] for kind in dense}
 
 
-def layer_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, aux_loss: bool = False) -> float:
+@dataclass(frozen=True)
+class SeqSplit:
+    """How one micro batch's tokens are spread (module doc, "Long sequences")."""
+    sp: int = 1
+    """TP ranks the norms and residuals split the sequence over (sequence parallelism); 1: off."""
+    cp: int = 1
+    """Context parallel ranks every token-wise tensor is split over."""
+    packed: bool = False
+    """Rows packed without padding: no attention mask."""
+
+
+NO_SPLIT = SeqSplit()
+
+
+def layer_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, aux_loss: bool = False,
+                           split: SeqSplit = NO_SPLIT) -> float:
     """Bytes one transformer layer saves for backward for one micro batch (see module doc)."""
     e = BYTES_PER_ELEMENT[dtype]
-    sb = seq * micro
+    sb = seq * micro / split.cp
     heads = arch.num_attention_heads + arch.num_key_value_heads
-    replicated = 6 * sb * arch.hidden_size * e
+    replicated = 6 * sb * arch.hidden_size * e / split.sp
     mlp = 0 if arch.is_moe else 5 * sb * arch.intermediate_size
     sharded = (2 * sb * heads * arch.head_dim + mlp) * e / tp
     if arch.qk_norm:
         sharded += 3 * sb * arch.head_dim * heads * e / tp
     log_sum_exp = 4 * sb * arch.num_attention_heads / tp
-    return replicated + sharded + log_sum_exp + routed_activation_bytes(arch, seq, micro, tp, dtype, aux_loss)
+    gathered_kv = 2 * sb * (split.cp - 1) * arch.num_key_value_heads * arch.head_dim * e / tp
+    routed = routed_activation_bytes(arch, seq // split.cp, micro, tp, dtype, aux_loss)
+    return replicated + sharded + log_sum_exp + gathered_kv + routed
 
 
-def mask_bytes(seq: int, micro: int, dtype: str) -> float:
-    """The additive attention mask of one micro batch, kept once for all its layers (module doc)."""
-    return micro * seq * seq * BYTES_PER_ELEMENT[dtype]
+def mask_bytes(seq: int, micro: int, dtype: str, split: SeqSplit = NO_SPLIT) -> float:
+    """The additive attention mask of one micro batch, kept once for all its layers (module doc); none
+    for packed rows (per-sequence causal kernels)."""
+    return 0.0 if split.packed or split.cp > 1 else micro * seq * seq * BYTES_PER_ELEMENT[dtype]
 
 
 def routed_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, aux_loss: bool = False) -> float:
@@ -226,16 +249,17 @@ def routed_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: st
 
 
 def stage_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, pp: int, in_flight: int,
-                           recompute: bool, dtype: str, aux_loss: bool = False) -> float:
+                           recompute: bool, dtype: str, aux_loss: bool = False, split: SeqSplit = NO_SPLIT) -> float:
     """Saved activations of one stage's layers with `in_flight` micro batches held by the 1F1B
     schedule (stage r holds min(pp - r, micro batches)), each with its attention mask; with full
     recompute only layer inputs stay, plus one layer (and its mask) rebuilt at a time in backward."""
     e = BYTES_PER_ELEMENT[dtype]
     layers = arch.num_layers // pp
-    one_layer = layer_activation_bytes(arch, seq, micro, tp, dtype, aux_loss)
-    mask = mask_bytes(seq, micro, dtype)
+    one_layer = layer_activation_bytes(arch, seq, micro, tp, dtype, aux_loss, split)
+    mask = mask_bytes(seq, micro, dtype, split)
     if recompute:
-        return layers * in_flight * seq * micro * arch.hidden_size * e + one_layer + mask
+        inputs = seq * micro * arch.hidden_size * e / (split.sp * split.cp)
+        return layers * in_flight * inputs + one_layer + mask
     return in_flight * (layers * one_layer + mask)
 
 
@@ -253,13 +277,15 @@ def loss_side_bytes(arch: Arch, seq: int, response: int, micro: int, tp: int, dt
 
 
 def head_activation_bytes(arch: Arch, seq: int, micro: int, tp: int, dtype: str, critic: bool = False,
-                          response: int = 0) -> float:
+                          response: int = 0, split: SeqSplit = NO_SPLIT) -> float:
     """Last stage of an update: the final norm's saved tensors, plus for the actor the logits of every
-    position (kept for the log-prob backward) and the loss side over `response` positions."""
+    position (kept for the log-prob backward) and the loss side over `response` positions; under context
+    parallelism each rank holds its share of the positions."""
     e = BYTES_PER_ELEMENT[dtype]
-    norm = 3 * seq * micro * arch.hidden_size * e
+    norm = 3 * seq * micro * arch.hidden_size * e / (split.sp * split.cp)
     if critic:
         return norm
+    seq, response = -(-seq // split.cp), -(-response // split.cp)
     logits = seq * micro * arch.padded_vocab(tp) / tp * e
     return norm + logits + loss_side_bytes(arch, seq, response, micro, tp, dtype, True)
 

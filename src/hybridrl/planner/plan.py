@@ -159,6 +159,8 @@ class _Ctx:
     uses_ref: bool
     rm_arch: Optional[mem.Arch] = None
     """The reward model's architecture when reward_model.enable."""
+    split: mem.SeqSplit = mem.NO_SPLIT
+    """How the training forwards spread a micro batch's tokens (SP, CP, packed rows)."""
 
 
 def _states(ctx: _Ctx, stage: int, critic: bool) -> dict:
@@ -309,14 +311,14 @@ def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     items = _base(ctx, stage, f"update_{role}")
     aux_loss = not critic and ctx.cfg.actor.moe_aux_loss_coeff > 0
     acts = mem.stage_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.pp, in_flight,
-                                      ctx.cfg.parallel.recompute_activations, ctx.dtype, aux_loss)
+                                      ctx.cfg.parallel.recompute_activations, ctx.dtype, aux_loss, ctx.split)
     items.append((f"{role}/activations", acts))
     if ctx.arch.is_moe:  # one MoE layer's dispatch buffers at a time, forward and backward
         dispatch = mem.dispatch_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.ep, ctx.dtype)
         items.append((f"{role}/dispatch", dispatch))
     if stage == lay.pp - 1:
         head = mem.head_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, ctx.dtype, critic,
-                                         response=ctx.cfg.data.max_response_length)
+                                         response=ctx.cfg.data.max_response_length, split=ctx.split)
         items.append((f"{role}/{'value_head' if critic else 'logits'}", head))
     return Phase(f"{role} update", stage, tuple(items))
 
@@ -380,7 +382,9 @@ def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: i
     arch = mem.arch_from_model_config(cfg.model, vocab_size)
     ctx = _Ctx(cfg, arch, layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
                cfg.model.params_dtype, cfg.parallel.gpu_memory_gb * GIB,
-               cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward, _reward_model_arch(cfg, arch))
+               cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward, _reward_model_arch(cfg, arch),
+               mem.SeqSplit(layout.tp if cfg.parallel.sequence_parallel_at(layout.tp) else 1, layout.cp,
+                            cfg.model.use_remove_padding))
     stages = sorted({0, layout.pp - 1})
     by_name = {}
     for stage in stages:  # the first stage holds the most in-flight micro batches, the last the logits
