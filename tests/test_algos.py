@@ -413,14 +413,13 @@ def test_policy_loss_truncated_is():
     adv = t([[1.0, 2.0, 3.0]])
     mask = torch.ones(1, 3, dtype=D)
     rollout = (old - t([[0.5, 4.0, 1.0]]).log()).requires_grad_(True)  # weights 0.5, 4, 1
-    loss, _ = policy_loss(old, lp, adv, mask, rollout_log_prob=rollout, rollout_is_threshold=2.0)
+    weights, _, _ = algos.compute_rollout_correction_and_rejection_mask(old, rollout, mask, "token", 2.0)
+    loss, _ = policy_loss(old, lp, adv, mask, rollout_is_weights=weights)
     close(loss, -(0.5 * 1 + 2.0 * 2 + 1.0 * 3) / 3)  # 4 truncated to 2
     assert not loss.requires_grad  # weights are detached
     plain, _ = policy_loss(old, lp, adv, mask)
-    ignored, _ = policy_loss(old, lp, adv, mask, rollout_log_prob=rollout)  # no threshold: off
-    close(ignored, plain)
-    with pytest.raises(ValueError, match="rollout_log_prob"):
-        policy_loss(old, lp, adv, mask, rollout_is_threshold=2.0)
+    none, _, _ = algos.compute_rollout_correction_and_rejection_mask(old, rollout, mask)  # rollout_is None: off
+    assert none is None
 
 
 # ----------------------------------------------------------------------------- value / entropy
@@ -549,16 +548,17 @@ def test_every_function_keeps_dtype(dtype):
     outs += [kl_penalty(rnd(B, T), rnd(B, T), kind) for kind in algos.KL_KINDS]
     outs += [compute_advantages(n, token_rewards=rew, values=vals, response_mask=mask, group_index=ids,
                                 baseline_scores=sc)[0] for n in ADV_ESTIMATORS]
-    loss, stats = policy_loss(rnd(B, T), rnd(B, T), rnd(B, T), mask,
-                              rollout_log_prob=rnd(B, T), rollout_is_threshold=2.0)
+    weights, _, _ = algos.compute_rollout_correction_and_rejection_mask(rnd(B, T), rnd(B, T), mask, "token")
+    loss, stats = policy_loss(rnd(B, T), rnd(B, T), rnd(B, T), mask, rollout_is_weights=weights)
     outs += [loss, *stats.values()]
     for i, o in enumerate(outs):
         assert o.dtype == dtype, f"output {i} is {o.dtype}"
         assert torch.isfinite(o).all(), f"output {i} not finite"
 
 
-def test_no_torch_distributed():
-    src = inspect.getsource(algos)
+@pytest.mark.parametrize("module", [algos, algos.masked, algos.rollout_correction], ids=lambda m: m.__name__)
+def test_no_torch_distributed(module):
+    src = inspect.getsource(module)
     tree = ast.parse(src)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

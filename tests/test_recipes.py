@@ -45,3 +45,18 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
     assert all(0 < v <= 1 for v in scalars["train/filter_groups/kept_ratio"].values())
     assert sorted(scalars["val-core/synthetic/arith/acc/mean@1"]) == [steps]  # -1: only after the last step
     assert re.findall(r"^step:(\d+) ", proc.stdout, re.M) == ["3", "4"]  # every log_freq steps and the last
+
+
+def test_rollout_correction_recipes_are_verls_presets():
+    """configs/recipes/rollout_correction/: one fragment per factory preset of verl 0.9.1's
+    RolloutCorrectionConfig (read from the reference data its generator wrote with verl), with its values."""
+    import json
+
+    with open(os.path.join(ROOT, "tests", "verl_reference", "rollout_correction_verl_0_9_1.json")) as f:
+        presets = json.load(f)["presets"]
+    folder = os.path.join(RECIPES, "rollout_correction")
+    assert sorted(os.listdir(folder)) == sorted(f"{name}.yaml" for name in presets)
+    for name, fields in presets.items():
+        cfg = load_config(f"{os.path.join(ROOT, 'configs', 'tiny_cpu.yaml')},{os.path.join(folder, name + '.yaml')}")
+        got = cfg.algorithm.rollout_correction
+        assert {k: getattr(got, k) for k in fields} == fields, name

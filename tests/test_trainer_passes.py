@@ -67,7 +67,9 @@ def test_own_old_log_probs_give_the_two_pass_step(tmp_path, world):
 
 
 @pytest.mark.parametrize("extra", [["algorithm.use_kl_in_reward=true"], ["actor.ppo_epochs=2"],
-                                   ["actor.ppo_mini_batch_size=2"], ["actor.rollout_is_threshold=2.0"]])
+                                   ["actor.ppo_mini_batch_size=2"], ["algorithm.rollout_correction.rollout_is=token"],
+                                   ["algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                                    "algorithm.rollout_correction.rollout_rs_threshold=0.01"]])
 def test_separate_old_log_prob_pass_where_needed(tmp_path, extra):
     from hybridrl.config.io import load_config
     from hybridrl.config.layout import derive_layout
@@ -117,13 +119,11 @@ def test_bypass_mode_takes_the_engines_log_probs_as_old(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_bypass_mode_refuses_an_importance_correction(tmp_path):
-    from hybridrl.config import ConfigError
+def test_bypass_mode_takes_no_pass_whatever_it_corrects(tmp_path):
     from hybridrl.config.io import load_config
     from hybridrl.config.layout import derive_layout
     from hybridrl.workers.actor import old_log_prob_source
 
     cfg = load_config(TINY, _overrides(tmp_path, ["algorithm.rollout_correction.bypass_mode=true",
-                                                  "actor.rollout_is_threshold=2.0"]))
-    with pytest.raises(ConfigError, match="rollout_is_threshold"):
-        old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64))
+                                                  "algorithm.rollout_correction.rollout_is=token"]))
+    assert old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64)) == "rollout"

@@ -1,7 +1,8 @@
 """Write verl_0_9_1.json: verl 0.9.1's own outputs on random inputs, the reference of test_verl_parity.py.
 
 Run in the side venv that has verl (never a dependency of hybridrl; requirements-verl.txt):
-    make verl-reference        # creates .venv-verl, then runs this script and make_gae_holes.py
+    make verl-reference        # creates .venv-verl, then runs this script, make_gae_holes.py and
+                               # make_rollout_correction.py
 Inputs are drawn here with fixed seeds and stored next to verl's outputs, so the test reads both
 and needs neither verl nor this script. Covered: core_algos.agg_loss (every mode, with and without
 loss_scale_factor, fully masked rows), compute_policy_loss_vanilla / _gspo (loss, metrics and the

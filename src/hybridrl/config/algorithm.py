@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional, Union
 
 from hybridrl.config.checks import check, one_of
 
@@ -25,11 +26,81 @@ class KLControlConfig:
         one_of("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
 
 
+IS_LEVELS = ("token", "sequence")
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+ASYNC_ROLLOUT_IS = "token"
+"""What rollout_is becomes when async training lags the engine and the user did not set it (verl's advice)."""
+Threshold = Union[float, int, str]
+
+
+def _threshold_parts(key: str, value) -> None:
+    """Each comma-separated entry a positive number or (IcePop / k1 options) 'lower_upper' of two."""
+    for part in str(value).split(","):
+        numbers = part.strip().split("_")
+        ok = len(numbers) <= 2 and all(_positive(x) for x in numbers)
+        check(ok, f"{key}={value!r}: each entry must be a positive number or 'lower_upper', e.g. 2.0 or 0.5_5.0")
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
+    """verl 0.9.1's algorithm.rollout_correction: the engine's log-probs (pi_rollout) against the trainer's
+    (pi_old); presets as recipes in configs/recipes/."""
+    rollout_is: Optional[str] = None
+    """Importance weights pi_old / pi_rollout on the policy loss: null (none), token or sequence (the row's
+    product). Default with async_training.staleness_threshold >= 1 or partial_rollout: token (at 2.0)."""
+    rollout_is_threshold: Threshold = 2.0
+    """A number truncates the weights there (TIS); "lower_upper" (e.g. 0.5_5.0) zeroes them outside (IcePop)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their batch mean (over tokens; over rows for sequence)."""
+    rollout_rs: Optional[str] = None
+    """Rejection: comma-separated options, each token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 or
+    seq_max_k2/k3 (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r); rejected tokens leave the loss."""
+    rollout_rs_threshold: Optional[Threshold] = None
+    """One bound per rollout_rs option (comma-separated) or one for all: an upper bound for k2 / k3, ratio
+    bounds "lower_upper" for k1 (a single number u means 1/u_u)."""
     bypass_mode: bool = False
-    """verl's bypass mode (loss_type ppo_clip): the rollout engine's log-probs are the old log-probs,
-    so no separate old-log-prob pass runs; the PPO ratio is then actor / rollout engine."""
+    """The engine's log-probs are the old log-probs (no old-log-prob pass); the correction then measures the
+    current policy against the engine inside the loss."""
+    loss_type: str = "ppo_clip"
+    """Bypass mode's policy loss: ppo_clip (actor.policy_loss.loss_mode against the engine; IS weights only
+    measured) or reinforce (-A log pi times the IS weights, no clip)."""
+
+    def __post_init__(self):
+        key = "algorithm.rollout_correction"
+        check(self.rollout_is is None or self.rollout_is in IS_LEVELS,
+              f"{key}.rollout_is={self.rollout_is!r} is not one of null, {', '.join(IS_LEVELS)}")
+        _threshold_parts(f"{key}.rollout_is_threshold", self.rollout_is_threshold)
+        check("," not in str(self.rollout_is_threshold), f"{key}.rollout_is_threshold takes one entry")
+        one_of(f"{key}.loss_type", self.loss_type, ("ppo_clip", "reinforce"))
+        if self.rollout_rs is None:
+            return
+        options = [o.strip() for o in self.rollout_rs.split(",") if o.strip()]
+        bad = [o for o in options if o not in RS_OPTIONS]
+        check(options and not bad, f"{key}.rollout_rs={self.rollout_rs!r}: unknown option(s) {bad}; valid: "
+                                   f"{', '.join(RS_OPTIONS)}, comma separated")
+        check(self.rollout_rs_threshold is not None,
+              f"{key}.rollout_rs={self.rollout_rs} needs {key}.rollout_rs_threshold (e.g. 0.01 for seq_mean_k3, "
+              "0.5_2.0 for a k1 option)")
+        _threshold_parts(f"{key}.rollout_rs_threshold", self.rollout_rs_threshold)
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the loss changes (IS weights or rejection), beyond the rollout_corr/ metrics."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def kwargs(self) -> dict:
+        """The arguments of algos.compute_rollout_correction_and_rejection_mask."""
+        return dict(rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+                    rollout_is_batch_normalize=self.rollout_is_batch_normalize, rollout_rs=self.rollout_rs,
+                    rollout_rs_threshold=self.rollout_rs_threshold)
 
 
 @dataclass(frozen=True)
@@ -65,7 +136,7 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """Where the old log-probs come from when the engine's may stand in for them."""
+    """The engine-vs-trainer mismatch: importance sampling, rejection, bypass mode (verl's keys)."""
 
     def __post_init__(self):
         one_of("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)

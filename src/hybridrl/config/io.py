@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from hybridrl.config import Config, ConfigError
+from hybridrl.config.algorithm import ASYNC_ROLLOUT_IS
 
 
 def all_keys(cls=Config, prefix: str = "") -> List[str]:
@@ -52,7 +53,9 @@ def field_type(key: str) -> str:
 
 
 # Keys that moved to verl's names (README, "Migration"): the error names the new key.
-MOVED_KEYS = {"rollout.val_n": "rollout.val_kwargs.n",
+MOVED_KEYS = {"actor.rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold (with "
+                                      "algorithm.rollout_correction.rollout_is=token)",
+             "rollout.val_n": "rollout.val_kwargs.n",
               "rollout.val_temperature": "rollout.val_kwargs.temperature (with rollout.val_kwargs.do_sample=true)",
               "trainer.max_ckpt_to_keep": "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep"}
 
@@ -103,18 +106,32 @@ def _words_back(node, prefix=""):
             node[key] = "on" if value else "off"
 
 
+def _async_defaults(layers) -> list:
+    """verl's advice for asynchronous training as a default: when the engine lags the trainer
+    (async_training.staleness_threshold >= 1 or partial_rollout) and no layer sets
+    algorithm.rollout_correction.rollout_is, it is token (truncated at rollout_is_threshold, 2.0). Returned
+    as a layer under the user's, so the resolved config shows it."""
+    user = OmegaConf.merge(*layers) if layers else OmegaConf.create()
+    stale = OmegaConf.select(user, "async_training.staleness_threshold", default=0)
+    lags = (isinstance(stale, int) and stale >= 1) or OmegaConf.select(user, "async_training.partial_rollout") is True
+    unset = OmegaConf.select(user, "algorithm.rollout_correction.rollout_is", default="unset") == "unset"
+    return [OmegaConf.create({"algorithm": {"rollout_correction": {"rollout_is": ASYNC_ROLLOUT_IS}}})] \
+        if lags and unset else []
+
+
 def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
-    """YAML file (optional) + `key=value` overrides → validated frozen Config."""
+    """YAML file (optional; comma-separated files are layered, later ones win: a recipe fragment over a
+    run's config) + `key=value` overrides → validated frozen Config."""
     schema = OmegaConf.structured(Config)
     keys = set(all_keys())
     layers = []
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist; pass --config configs/tiny_cpu.yaml")
+    for one in (p for p in path.split(",") if p):
+        if not os.path.isfile(one):
+            raise ConfigError(f"config file '{one}' does not exist; pass --config configs/tiny_cpu.yaml")
         try:
-            layers.append(OmegaConf.load(path))
+            layers.append(OmegaConf.load(one))
         except Exception as err:  # yaml errors come in several types
-            raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
+            raise ConfigError(f"config file '{one}' is not valid YAML: {err}") from None
     try:
         layers.append(OmegaConf.from_dotlist(_parse_overrides(overrides)))
     except OmegaConfBaseException as err:
@@ -123,7 +140,7 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
         _check_keys(layer, keys)
         _words_back(layer)
     try:
-        merged = OmegaConf.merge(schema, *layers)
+        merged = OmegaConf.merge(schema, *_async_defaults(layers), *layers)
         return OmegaConf.to_object(merged)
     except ConfigKeyError as err:
         raise _unknown_key_error(err.full_key or str(err.key)) from None

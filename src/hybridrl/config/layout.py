@@ -214,8 +214,8 @@ def split_ranks(cfg: Config, world_size: int) -> int:
     _require(not (a.staleness_threshold > 0 and cfg.algorithm.rollout_correction.bypass_mode),
              "algorithm.rollout_correction.bypass_mode takes the engine's log-probs as the old ones, but with "
              "async_training.staleness_threshold > 0 they come from weights one version older than the policy "
-             "being trained; set bypass_mode=false (the trainer computes them; actor.rollout_is_threshold "
-             "corrects the mismatch)")
+             "being trained; set bypass_mode=false (the trainer computes them; algorithm.rollout_correction."
+             "rollout_is, token by default here, corrects the mismatch)")
     _require(not (a.staleness_threshold and cfg.algorithm.filter_groups.enable),
              "algorithm.filter_groups generates more batches on demand, which async_training.staleness_threshold=1 "
              "cannot prefetch; set staleness_threshold=0 or disable filter_groups")

@@ -87,8 +87,6 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the loss term."""
-    rollout_is_threshold: Optional[float] = None
-    """Truncate importance weights actor-old/rollout at this value; None disables."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Samples per forward when recomputing log-probs."""
     use_dynamic_bsz: bool = False

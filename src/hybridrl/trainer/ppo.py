@@ -1,8 +1,8 @@
 """The PPO / GRPO loop. One step:
 
     rollout → reward (→ DAPO: drop all-equal groups, generate more) → old log-probs (actor)
-    → ref log-probs → values (critic, PPO only) → KL penalty → advantages → critic update
-    → actor update → weights into the rollout engine
+    → ref log-probs → values (critic, PPO only) → KL penalty → rollout correction → advantages
+    → critic update → actor update → weights into the rollout engine
 
 Every rank runs this code (SPMD); each DP rank owns a slice of the prompts, and TP/PP peers hold
 the same slice. Details live one level down: workers/, step_batch.py, roles.py, metrics.py,
@@ -27,6 +27,7 @@ from hybridrl.rewards.registry import combine_scores
 from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.timeline import Timeline
+from hybridrl.trainer.rollout_correction import check_rollout_correction, correct_rollout
 from hybridrl.trainer.split import step_overlap
 from hybridrl.trainer.streamed import sample_streamed
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice,
@@ -79,6 +80,8 @@ class PPOTrainer:
         self.replay_routes = cfg.actor.router_replay == "rollout"
         """MoE routing replay: the engine records its expert choices, the actor's forwards reuse them."""
         self.old_log_prob_source = old_log_prob_source(cfg, layout)
+        check_rollout_correction(cfg, self.rollout)
+        self.actor.bypass = cfg.algorithm.rollout_correction if self.old_log_prob_source == "rollout" else None
         self.values_source = values_source(cfg, layout) if self.critic is not None else None
         self.critic_apart = layout.critic_world_size > 0
         """The critic trains on ranks of its own: its values pass and update overlap the actor's."""
@@ -121,6 +124,9 @@ class PPOTrainer:
                 self.hybrid.enter("update_actor")
                 metrics.update(self.actor.update_policy(batch, self.layout.actor_mini_batch_samples // self.layout.dp,
                                                         self.batching.actor_update, apply=update))
+            if source == "update":  # nothing to correct (old_log_prob_source): the gap is measured now
+                metrics.update(correct_rollout(batch, gather_dp(batch["response_mask"], self.groups),
+                                               cfg.algorithm.rollout_correction, self.groups)[1])
         if self.critic_apart:
             with t("update_critic"):
                 metrics.update(self.critic.update_metrics())
@@ -316,6 +322,9 @@ class PPOTrainer:
         (batch["token_rewards"]); `finish_advantages` follows the update."""
         a, g = self.cfg.algorithm, self.groups
         all_scores, token_rewards, mask, metrics = self._token_rewards(batch, scores)
+        if "old_log_probs" in batch and self.old_log_prob_source != "rollout":  # verl's decoupled mode
+            mask, corrected = correct_rollout(batch, mask, a.rollout_correction, g)  # rejections: mask replaced
+            metrics.update(corrected)
         if self.values_source == "update":
             batch["token_rewards"] = local_slice(token_rewards, g)
             return metrics

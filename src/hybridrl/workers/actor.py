@@ -7,12 +7,13 @@ split into micro-batches or DP shards. The policy loss is `actor.policy_loss.los
 """
 from __future__ import annotations
 
-from typing import Dict
+import functools
+from typing import Dict, Optional
 
 import torch
 
 from hybridrl import algos
-from hybridrl.config import ActorConfig, Config, ConfigError
+from hybridrl.config import ActorConfig, Config, RolloutCorrectionConfig
 from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.config.batching import MicroBatching
@@ -80,22 +81,19 @@ def old_log_prob_source(cfg: Config, layout) -> str:
     """Where a step's old log-probs come from: "rollout" (algorithm.rollout_correction.bypass_mode:
     the engine's own), "update" (the actor update's forward gives them exactly: one optimizer step
     per rollout batch, ppo_epochs 1 and one mini-batch, so the policy is unchanged until that forward,
-    and nothing needs them before the update, as KL in the reward does, or as a separate
-    recomputation, as rollout_is_threshold does), else "pass" (a forward of their own)."""
-    a = cfg.actor
-    if cfg.algorithm.rollout_correction.bypass_mode:
-        if a.rollout_is_threshold is not None:
-            raise ConfigError("algorithm.rollout_correction.bypass_mode uses the engine's log-probs as the old ones, "
-                              "so actor.rollout_is_threshold has nothing to correct; unset one of them")
+    and nothing needs them before the update, as KL in the reward does, or the rollout correction's
+    weights and rejections, rollout_is / rollout_rs, do), else "pass" (a forward of their own)."""
+    a, correction = cfg.actor, cfg.algorithm.rollout_correction
+    if correction.bypass_mode:
         return "rollout"
     if (a.ppo_epochs == 1 and layout.actor_mini_batch_samples == layout.samples_per_step
-            and a.rollout_is_threshold is None and not cfg.algorithm.use_kl_in_reward):
+            and not correction.corrects and not cfg.algorithm.use_kl_in_reward):
         return "update"
     return "pass"
 
 
 UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
-               "ref_log_probs", "rollout_log_probs", "routed_experts")
+               "ref_log_probs", "rollout_is_weights", "routed_experts")
 
 
 class ActorWorker(LogProbWorker):
@@ -105,16 +103,31 @@ class ActorWorker(LogProbWorker):
         self.optimizer, self.cfg = optimizer, cfg
         # seq-mean-token-sum-norm divides by a constant, never by a (trimmed) micro-batch's width
         self.loss_scale_factor = cfg.loss_scale_factor or max_response_length
+        self.bypass: Optional[RolloutCorrectionConfig] = None
+        """verl's bypass mode (set by the trainer): old log-probs are the engine's, and the loss corrects the
+        current policy against them (`algos.bypass_mode_policy_loss`)."""
 
     def _policy_loss(self, mb, log_probs, old_log_probs):
-        cfg, mask = self.cfg, mb["response_mask"]
-        common = dict(agg_mode=cfg.loss_agg_mode, rollout_log_prob=mb.get("rollout_log_probs"),
-                      rollout_is_threshold=cfg.rollout_is_threshold, loss_scale_factor=self.loss_scale_factor)
+        """(loss, token stats, rollout_corr/ metrics of bypass mode). Decoupled mode: the batch's IS weights
+        (the trainer's rollout correction, if any) on the surrogate; its rejections are in the mask already."""
+        cfg, mask, mode = self.cfg, mb["response_mask"], self.cfg.loss_agg_mode
         if cfg.policy_loss.loss_mode == "gspo":
-            return algos.gspo_policy_loss(old_log_probs, log_probs, mb["advantages"], mask,
-                                          cfg.clip_ratio_low, cfg.clip_ratio_high, **common)
-        return algos.policy_loss(old_log_probs, log_probs, mb["advantages"], mask, cfg.clip_ratio_low,
-                                 cfg.clip_ratio_high, cfg.clip_ratio_c, **common)
+            surrogate = functools.partial(algos.gspo_policy_loss, clip_low=cfg.clip_ratio_low,
+                                          clip_high=cfg.clip_ratio_high)
+        else:
+            surrogate = functools.partial(algos.policy_loss, clip_low=cfg.clip_ratio_low,
+                                          clip_high=cfg.clip_ratio_high, clip_c=cfg.clip_ratio_c)
+        common = dict(agg_mode=mode, loss_scale_factor=self.loss_scale_factor)
+        if self.bypass is None:
+            loss, stats = surrogate(old_log_probs, log_probs, mb["advantages"], mask,
+                                    rollout_is_weights=mb.get("rollout_is_weights"), **common)
+            return loss, stats, {}
+        loss, stats, metrics, kept = algos.bypass_mode_policy_loss(
+            old_log_probs, log_probs, mb["advantages"], mask, self.bypass.loss_type, self.bypass.kwargs(), surrogate,
+            **common)
+        # rejected tokens add nothing, but the normaliser stays the batch's (verl's global token / row counts)
+        before = algos.agg_loss_denominator(mask, mode)
+        return loss * (algos.agg_loss_denominator(kept, mode) / before if before else 0.0), stats, metrics
 
     def _loss(self, tokens, mb, share: Share, n_micro: int):
         cfg = self.cfg
@@ -124,7 +137,7 @@ class ActorWorker(LogProbWorker):
         # one: its log-probs are this forward's, held constant.
         own_old = "old_log_probs" not in mb
         old_log_probs = log_probs.detach() if own_old else mb["old_log_probs"]
-        pg_loss, stats = self._policy_loss(mb, log_probs, old_log_probs)
+        pg_loss, stats, correction = self._policy_loss(mb, log_probs, old_log_probs)
         ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, self.loss_scale_factor)
         loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff != 0 else pg_loss
         metrics = {"actor/pg_loss": pg_loss, "actor/entropy": ent}
@@ -137,6 +150,7 @@ class ActorWorker(LogProbWorker):
         # their normaliser, token means by tokens
         metrics = {k: v.detach().double() * share.loss for k, v in metrics.items()}
         metrics.update({f"actor/{k}": v.detach().double() * share.tokens for k, v in stats.items()})
+        metrics.update({k: v * share.tokens for k, v in correction.items()})  # bypass: by micro-batch, as verl
         # The schedule divides by n_micro (and multiplies by CP) and DDP averages over DP x CP: undo both for a global mean.
         scaled = loss * share.loss * n_micro * self.engine.groups.dp
         out = {**metrics, "finite": torch.isfinite(loss.detach()).double()}

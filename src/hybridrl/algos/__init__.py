@@ -1,66 +1,28 @@
-"""RL math for LLM post-training: advantages, losses, KL penalties, KL controllers.
+"""RL math for LLM post-training: advantages, losses, KL penalties, KL controllers, and (from
+`rollout_correction`) verl 0.9.1's importance sampling and rejection of the engine-vs-trainer mismatch;
+`masked` holds the masked statistics they share.
 
 Everything here is pure tensor math on one process: tensors in, tensors out,
 deterministic, dtype-preserving (float32 and float64). Conventions follow verl's
 ``core_algos``: masks are [B, T] (float or bool) over right-padded responses,
-per-sequence scores are [B]. This module must never call torch.distributed:
-callers reduce across ranks themselves, so the same code serves the driver,
-workers and tests.
+per-sequence scores are [B]. This package must never call torch.distributed nor import
+another hybridrl package: callers reduce across ranks themselves, so the same code serves the
+driver, workers and tests.
 """
 
 from typing import Callable, Dict, Hashable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hybridrl.algos.masked import WHITEN_EPS, _mask_like, masked_mean, masked_sum, masked_var, masked_whiten
+from hybridrl.algos.rollout_correction import (compute_rollout_correction_and_rejection_mask,
+                                               rollout_probs_diff_metrics)
+
 Tensor = torch.Tensor
 GroupIndex = Union[Sequence[Hashable], Tensor]
 
-WHITEN_EPS = 1e-8
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-
-
-def _mask_like(mask: Tensor, like: Tensor) -> Tensor:
-    # Bool and float masks both become weights in the data's dtype/device.
-    return mask.to(dtype=like.dtype, device=like.device)
-
-
-# ----------------------------------------------------------------------------- masked statistics
-
-
-def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
-    """Sum of x*mask; masked entries never leak NaN/inf from x."""
-    m = _mask_like(mask, x)
-    prod = torch.where(m != 0, x * m, torch.zeros_like(x))
-    return prod.sum() if dim is None else prod.sum(dim=dim)
-
-
-def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
-    """Mean of x over mask; an empty mask gives 0 (not NaN)."""
-    m = _mask_like(mask, x)
-    total = m.sum() if dim is None else m.sum(dim=dim)
-    # Exact division where there is data; empty slices divide 0 by 1.
-    return masked_sum(x, m, dim) / torch.where(total != 0, total, torch.ones_like(total))
-
-
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of x over the whole mask (Bessel-corrected when unbiased)."""
-    m = _mask_like(mask, x)
-    n = m.sum()
-    if n.item() == 0:
-        raise ValueError("masked_var: the mask selects no element")
-    var = masked_mean((x - masked_mean(x, m)) ** 2, m)
-    # A single element has no spread; skip Bessel instead of producing 0/0.
-    if unbiased and n.item() > 1:
-        var = var * n / (n - 1)
-    return var
-
-
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the mask; keeps the mean if not shift_mean."""
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask, unbiased=True) + WHITEN_EPS)
-    return whitened if shift_mean else whitened + mean
 
 
 # ----------------------------------------------------------------------------- advantage estimators
@@ -280,29 +242,12 @@ def agg_loss_denominator(mask: Tensor, mode: str) -> float:
     return float(tokens.sum()) if mode == "token-mean" else float((tokens > 0).sum())
 
 
-def _rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Optional[Tensor],
-                        threshold: Optional[float]) -> Optional[Tensor]:
-    """Truncated importance weights min(pi_old / pi_rollout, threshold); None when disabled."""
-    if threshold is None:
-        return None
-    if rollout_log_prob is None:
-        raise ValueError("rollout_is_threshold is set but rollout_log_prob is None")
-    if threshold <= 0:
-        raise ValueError(f"rollout_is_threshold must be > 0, got {threshold}")
-    return torch.exp(old_log_prob - rollout_log_prob).clamp(max=threshold).detach()
-
-
 def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
-                agg_mode: str = "token-mean", rollout_log_prob: Optional[Tensor] = None,
-                rollout_is_threshold: Optional[float] = None,
+                agg_mode: str = "token-mean", rollout_is_weights: Optional[Tensor] = None,
                 loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Dual-clip PPO surrogate (clip-higher capable) with optional truncated IS (verl's "vanilla").
-
-    The IS weight min(pi_old / pi_rollout, threshold) corrects the mismatch between
-    the inference engine and the trainer; it applies only when both the rollout
-    log-probs and the threshold are given.
-    """
+    """Dual-clip PPO surrogate (clip-higher capable), verl's "vanilla"; each token's loss times its
+    rollout IS weight when given (`compute_rollout_correction_and_rejection_mask`: pi_old / pi_rollout)."""
     if clip_c <= 1.0:
         raise ValueError(f"clip_c must be > 1, got {clip_c}")
     m = _mask_like(response_mask, log_prob)
@@ -317,8 +262,8 @@ def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, resp
     negative = advantages < 0
     losses = torch.where(negative, clip2, clip1)
     lower = masked_mean(((clip1 > losses3) & negative).to(m.dtype), m)
-    is_weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
-    return _surrogate_result(losses, losses1, losses2, log_ratio, m, lower, is_weights, agg_mode, loss_scale_factor)
+    return _surrogate_result(losses, losses1, losses2, log_ratio, m, lower, rollout_is_weights, agg_mode,
+                             loss_scale_factor)
 
 
 def _surrogate_result(losses: Tensor, losses1: Tensor, losses2: Tensor, log_ratio: Tensor, m: Tensor,
@@ -337,7 +282,7 @@ def _surrogate_result(losses: Tensor, losses1: Tensor, losses2: Tensor, log_rati
 
 def gspo_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                      clip_low: float = 3e-4, clip_high: float = 4e-4, agg_mode: str = "seq-mean-token-mean",
-                     rollout_log_prob: Optional[Tensor] = None, rollout_is_threshold: Optional[float] = None,
+                     rollout_is_weights: Optional[Tensor] = None,
                      loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, verl's "gspo"): one clipped importance ratio per sequence.
 
@@ -354,9 +299,44 @@ def gspo_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
     losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(losses1, losses2)
     no_dual_clip = torch.zeros((), dtype=m.dtype, device=m.device)
-    is_weights = _rollout_is_weights(old_log_prob, rollout_log_prob, rollout_is_threshold)
-    return _surrogate_result(losses, losses1, losses2, log_ratio, m, no_dual_clip, is_weights, agg_mode,
+    return _surrogate_result(losses, losses1, losses2, log_ratio, m, no_dual_clip, rollout_is_weights, agg_mode,
                              loss_scale_factor)
+
+
+def reinforce_policy_loss(rollout_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                          agg_mode: str = "seq-mean-token-sum", rollout_is_weights: Optional[Tensor] = None,
+                          loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """REINFORCE, verl's bypass-mode loss_type "reinforce": -A * log pi per token (times the IS weight
+    pi / pi_rollout when given, held constant), no ratio and no clip; ppo_kl is KL(pi_rollout || pi)."""
+    m = _mask_like(response_mask, log_prob)
+    losses = -advantages * log_prob
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights
+    stats = {"ppo_kl": masked_mean(rollout_log_prob - log_prob, m).detach()}
+    return agg_loss(losses, m, agg_mode, loss_scale_factor), stats
+
+
+def bypass_mode_policy_loss(rollout_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                            loss_type: str = "ppo_clip", correction: Optional[Dict] = None,
+                            surrogate: Callable = policy_loss, agg_mode: str = "token-mean",
+                            loss_scale_factor: Optional[float] = None):
+    """verl's bypass mode (old log-probs = the engine's): the correction of the current policy against the
+    engine (`correction`: the keyword arguments of compute_rollout_correction_and_rejection_mask) rejects
+    tokens, then ppo_clip runs `surrogate` (policy_loss or gspo_policy_loss with its clip ranges bound: the PPO
+    ratio pi / pi_rollout is the IS correction, the weights are only measured) or reinforce applies the weights.
+    Returns (loss, stats, rollout_corr/ metrics, mask after rejection)."""
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(f"loss_type must be ppo_clip or reinforce, got {loss_type!r}")
+    with torch.no_grad():
+        weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+            log_prob.detach(), rollout_log_prob, response_mask, **(correction or {}))
+    common = dict(agg_mode=agg_mode, loss_scale_factor=loss_scale_factor)
+    if loss_type == "reinforce":
+        loss, stats = reinforce_policy_loss(rollout_log_prob, log_prob, advantages, mask, rollout_is_weights=weights,
+                                            **common)
+    else:
+        loss, stats = surrogate(rollout_log_prob, log_prob, advantages, mask, **common)
+    return loss, stats, metrics, mask
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
