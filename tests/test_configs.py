@@ -69,7 +69,7 @@ def test_config_validates_and_fits_at_its_world_size(path):
     cfg = load_config(path)
     world = intended_world(path, cfg)
     layout = derive_layout(cfg, world, vocab_size=64, allow_missing_path=True)
-    assert layout.tp * layout.pp * layout.dp == world
+    assert layout.tp * layout.cp * layout.pp * layout.dp == world
     p = plan(cfg, world, vocab_size=64)  # raises PlanError when it does not fit
     assert p.fits and p.peak.total <= cfg.parallel.gpu_memory_gb * 2 ** 30
     assert all(tp_group == tuple(range(tp_group[0], tp_group[0] + layout.tp)) for tp_group in p.groups.tp)

@@ -29,6 +29,19 @@ def test_rank_groups_equal_megatron_rank_generator(world, tp, pp):
         assert [list(g) for g in getattr(groups, name)] == gen.get_ranks(name), name
 
 
+@pytest.mark.parametrize("world,tp,pp,cp,ep", [(8, 2, 1, 2, 1), (16, 2, 2, 2, 1), (8, 1, 2, 2, 2), (16, 2, 1, 4, 2)])
+def test_rank_groups_with_context_parallel_equal_megatron_rank_generator(world, tp, pp, cp, ep):
+    from megatron.core.parallel_state import RankGenerator
+
+    dp = world // (tp * pp * cp)
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    experts = RankGenerator(tp=tp, ep=ep, dp=dp * cp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    groups = rank_groups(world, tp, pp, ep=ep, cp=cp)
+    for name in ("tp", "pp", "dp", "cp"):
+        assert [list(g) for g in getattr(groups, name)] == gen.get_ranks(name), name
+    assert [list(g) for g in groups.ep] == experts.get_ranks("ep")
+
+
 def test_rank_groups_by_hand():
     g = rank_groups(8, 2, 2, rollout_tp=4)  # dp = 2: rank = tp_rank + 2 dp_rank + 4 pp_rank
     assert g.tp == ((0, 1), (2, 3), (4, 5), (6, 7))

@@ -60,29 +60,36 @@ class RankGroups:
     """Ranks that split one MoE layer's experts (contiguous in DP)."""
     expert_dp: Tuple[Tuple[int, ...], ...] = ()
     """Ranks that hold the same experts (their grads are reduced and optimizer states sharded there)."""
+    cp: Tuple[Tuple[int, ...], ...] = ()
+    """Ranks that split one sequence (context parallelism); empty at CP 1."""
 
 
-def rank_groups(world_size: int, tp: int, pp: int, rollout_tp: int = 1, ep: int = 1) -> RankGroups:
+def rank_groups(world_size: int, tp: int, pp: int, rollout_tp: int = 1, ep: int = 1, cp: int = 1) -> RankGroups:
     """Groups as `parallel_state.initialize_model_parallel` builds them with its default order
-    "tp-cp-ep-dp-pp" (cp = 1): rank = tp_rank + tp·dp_rank + tp·dp·pp_rank, so TP ranks are
-    contiguous, then DP, then PP; the first listed dimension varies fastest over groups, as in
-    megatron's `RankGenerator`. Experts (expert TP = TP) split dp_rank = ep_rank + ep·expert_dp_rank.
+    "tp-cp-ep-dp-pp": rank = tp_rank + tp·cp_rank + tp·cp·dp_rank + tp·cp·dp·pp_rank, so TP ranks are
+    contiguous, then CP, DP, PP; the first listed dimension varies fastest over groups, as in megatron's
+    `RankGenerator`. Experts (expert TP = TP) split the cp·dp ranks of a stage as ep_rank + ep·expert_dp_rank.
     Rollout engines take contiguous blocks of rollout_tp ranks."""
-    dp = world_size // (tp * pp)
-    edp = dp // ep
+    dp = world_size // (tp * pp * cp)
+    edp = dp * cp // ep
 
-    def rank(t, d, p):
-        return t + tp * d + tp * dp * p
+    def rank(t, d, p, c=0):
+        return t + tp * c + tp * cp * d + tp * cp * dp * p
+
+    def expert_rank(t, e, x, p):  # megatron's expert generator ("tp-ep-dp-pp") over the cp·dp ranks
+        return t + tp * (e + ep * x) + tp * cp * dp * p
 
     return RankGroups(
-        tp=tuple(tuple(rank(t, d, p) for t in range(tp)) for p in range(pp) for d in range(dp)),
-        pp=tuple(tuple(rank(t, d, p) for p in range(pp)) for d in range(dp) for t in range(tp)),
-        dp=tuple(tuple(rank(t, d, p) for d in range(dp)) for p in range(pp) for t in range(tp)),
+        tp=tuple(tuple(rank(t, d, p, c) for t in range(tp)) for p in range(pp) for d in range(dp) for c in range(cp)),
+        pp=tuple(tuple(rank(t, d, p, c) for p in range(pp)) for d in range(dp) for c in range(cp) for t in range(tp)),
+        dp=tuple(tuple(rank(t, d, p, c) for d in range(dp)) for p in range(pp) for c in range(cp) for t in range(tp)),
         rollout_tp=tuple(tuple(range(i, i + rollout_tp)) for i in range(0, world_size, rollout_tp)),
-        ep=tuple(tuple(rank(t, e + ep * x, p) for e in range(ep)) for p in range(pp) for x in range(edp)
+        ep=tuple(tuple(expert_rank(t, e, x, p) for e in range(ep)) for p in range(pp) for x in range(edp)
                  for t in range(tp)),
-        expert_dp=tuple(tuple(rank(t, e + ep * x, p) for x in range(edp)) for p in range(pp) for e in range(ep)
-                        for t in range(tp)))
+        expert_dp=tuple(tuple(expert_rank(t, e, x, p) for x in range(edp)) for p in range(pp) for e in range(ep)
+                        for t in range(tp)),
+        cp=tuple(tuple(rank(t, d, p, c) for c in range(cp)) for p in range(pp) for d in range(dp) for t in range(tp))
+        if cp > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,8 @@ class _Ctx:
 
 def _states(ctx: _Ctx, stage: int, critic: bool) -> dict:
     lay = ctx.layout
-    return mem.stage_state_bytes(ctx.arch, lay.tp, lay.pp, stage, lay.dp, lay.ep, ctx.dtype,
+    # megatron's distributed optimizer shards over the data-parallel ranks with the context-parallel ones
+    return mem.stage_state_bytes(ctx.arch, lay.tp, lay.pp, stage, lay.dp * lay.cp, lay.ep, ctx.dtype,
                                  ctx.cfg.parallel.use_distributed_optimizer, critic)
 
 
@@ -393,7 +401,7 @@ def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: i
                 by_name[phase.name] = phase
     kv = _kv_cache(ctx)
     gpn = gpus_per_node or cfg.parallel.gpus_per_node
-    groups = rank_groups(world_size, layout.tp, layout.pp, layout.rollout_tp, layout.ep)
+    groups = rank_groups(world_size, layout.tp, layout.pp, layout.rollout_tp, layout.ep, layout.cp)
     return Plan(layout, groups, gpn, ctx.gpu_bytes, mem.total_params(arch), arch, ctx.seq, tuple(by_name.values()),
                 kv, _notes(ctx, gpn, kv))
 

@@ -11,7 +11,7 @@ from hybridrl.planner.memory import GIB, active_params
 
 def advice(consumer: str, phase: str, cfg: Config, moe: bool = False) -> str:
     """The config changes that shrink `consumer` in `phase`, most effective first (`moe`: the model
-    has experts, which this build trains at TP 1 only)."""
+    has experts, scaled by expert parallelism first)."""
     role, kind = consumer.split("/", 1)
     idle = not phase.startswith(role) and not (phase == "weight sync" and consumer == "actor/weights")
     more_mp = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"
@@ -30,9 +30,16 @@ def advice(consumer: str, phase: str, cfg: Config, moe: bool = False) -> str:
             fixes.append(f"set {role}.offload.{'params' if kind == 'weights' else 'grads'}=true")
         fixes.append(more_mp)
     elif kind in ("activations", "logits", "value_head"):
-        if kind == "activations" and not cfg.parallel.recompute_activations:
+        p = cfg.parallel
+        if p.tensor_model_parallel_size > 1 and not p.sequence_parallel_at(p.tensor_model_parallel_size):
+            fixes.append("set parallel.sequence_parallel=true")
+        if kind == "activations" and not p.recompute_activations:
             fixes.append("set parallel.recompute_activations=true")
-        fixes += [f"lower {role}.ppo_micro_batch_size_per_gpu", more_mp]
+        fixes.append(f"lower {role}.ppo_micro_batch_size_per_gpu")
+        # one sequence's activations split over ranks: the only fix once a micro batch is one row
+        fixes.append(f"raise parallel.context_parallel_size (to {2 * p.context_parallel_size}: each sequence's "
+                     "tokens split over that many ranks)")
+        fixes.append(more_mp)
     elif kind == "dispatch":  # the allgather dispatcher holds the tokens of the whole EP group
         fixes += [f"lower {role}.ppo_micro_batch_size_per_gpu", "lower parallel.expert_model_parallel_size"]
     elif kind == "forward":
@@ -85,8 +92,10 @@ def render_plan(p) -> str:
     nodes = -(-lay.world_size // p.gpus_per_node)
     lines = [f"layout: {lay.describe()}; {nodes} node(s) x {p.gpus_per_node} GPUs; model "
              f"{model_size(p.arch, p.model_params)}, sequence {p.seq_len} tokens",
-             "process groups (megatron-core order tp-cp-ep-dp-pp: rank = tp_rank + tp*dp_rank + tp*dp*pp_rank):",
-             _fmt_groups("TP", p.groups.tp), _fmt_groups("PP", p.groups.pp), _fmt_groups("DP", p.groups.dp)]
+             "process groups (megatron-core order tp-cp-ep-dp-pp: rank = tp_rank + tp*cp_rank + tp*cp*dp_rank + "
+             "tp*cp*dp*pp_rank):",
+             _fmt_groups("TP", p.groups.tp)] + ([_fmt_groups("CP", p.groups.cp)] if lay.cp > 1 else []) + [
+             _fmt_groups("PP", p.groups.pp), _fmt_groups("DP", p.groups.dp)]
     if lay.ep > 1:  # experts: dp_rank = ep_rank + ep*expert_dp_rank
         lines += [_fmt_groups("EP", p.groups.ep), _fmt_groups("expert DP", p.groups.expert_dp)]
     lines += [_fmt_groups("rollout TP", p.groups.rollout_tp),
