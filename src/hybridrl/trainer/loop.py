@@ -99,7 +99,7 @@ def setup_run(cfg: Config):
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
-    groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed, ep=layout.ep)
+    groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed, ep=layout.ep, cp=layout.cp)
     if le.rank == 0:
         ensure_synthetic_data(cfg.data)
     dist.barrier()
