@@ -10,7 +10,8 @@ The megatron folder holds one mp_rank_{tp:02d}_{pp:03d}/model.pt per rank and sp
 mcore-to-hf use the pure mapping only (no model, no process group), so world size 1 converts every rank
 and under torchrun each process writes its share (mcore-to-hf runs on rank 0). ckpt-to-hf reads a
 dist_checkpointing folder written at any layout into a model built at --tp x --pp (DP: the rest of
-the world size) and writes the HF folder from rank 0. Bad input ends in one `error: ...` line, exit code 2.
+the world size) and writes the HF folder from rank 0, after checking the actor's files against the sizes and
+crc32s its meta.json lists. Bad input (a damaged checkpoint too) ends in one `error: ...` line, exit code 2.
 """
 from __future__ import annotations
 

@@ -201,6 +201,16 @@ def test_killed_mid_save_then_auto_resume_and_bad_inputs(tmp_path):
                                         "algorithm.adv_estimator=gae"]),
                "'decoder.layers.mlp.linear_fc1.weight' with shape [2, 256, 64], this model's is [2, 192, 64]",
                "model.* settings")
+    # a shard of the newest checkpoint truncated (a node died while the file system flushed): the same command
+    # skips it with one warning line and resumes from the newest intact one (issue 45; the damages one by one:
+    # tests/test_checkpoint_damage.py)
+    os.truncate(root / "global_step_2" / "actor" / "__0_1.distcp", 1000)
+    skipped = _script(tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=1", "algorithm.adv_estimator=gae"])
+    assert skipped.returncode == 0 and "Traceback" not in skipped.stderr, skipped.stderr[-3000:]
+    warnings = [line for line in skipped.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{root / 'global_step_2'} (actor/__0_1.distcp (model and optimizer shards) is " \
+        "1000 bytes" in warnings[0], warnings
+    assert f"resumed from {root / 'global_step_1'} at step 1" in skipped.stdout
 
 
 KEEP = ["trainer.save_freq=1", "algorithm.adv_estimator=gae", "trainer.max_actor_ckpt_to_keep=1",
@@ -276,6 +286,41 @@ def test_save_into_a_full_or_blocked_folder_ends_the_run_and_keeps_the_last_chec
     assert f"resumed from {tmp_path / 'ckpt' / 'global_step_2'} at step 2" in resumed.stdout
     assert _parts_of_run(tmp_path) == {"global_step_2": ["critic", "meta.json", "rng"],
                                        "global_step_3": ["actor", "critic", "meta.json", "rng"]}
+
+
+def _split_per_rank(tmp, extra):
+    """train_ppo.py in split placement (1 trainer + 1 rollout rank), one process per rank as srun starts them:
+    [(exit code, stderr)] of the trainer and the rollout rank."""
+    from dist_helper import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    cmd = [sys.executable, SCRIPT, "--config", TINY] + _overrides(tmp, ["trainer.logger=[console]", "placement.mode=split",
+                                                                       "placement.rollout_world_size=1"] + extra)
+    logs = [open(tmp / f"rank{r}.err", "w+") for r in range(2)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[r], cwd=ROOT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(code, (tmp / f"rank{r}.err").read_text()) for r, code in enumerate(codes)]
+
+
+@pytest.mark.slow
+def test_no_intact_checkpoint_in_split_placement_is_one_error_line(saved_run, tmp_path):
+    """The run's newest checkpoint has a truncated shard and the one before it no actor (the keep rule took it):
+    resumed in split placement, trainer.resume_mode=auto ends in one `error:` line naming both, exit 2, the
+    rollout rank let go, nothing deleted (colocated, the same function chooses: tests/test_checkpoint_damage.py)."""
+    shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
+    root = tmp_path / "ckpt"
+    os.truncate(root / "global_step_2" / "critic" / "__0_0.distcp", 10)
+    (trainer, trainer_err), (rollout, _) = _split_per_rank(tmp_path, ["trainer.total_training_steps=3"] + KEEP)
+    _one_error(subprocess.CompletedProcess([], trainer, "", trainer_err),
+               f"no intact checkpoint under trainer.default_local_dir={root} to resume from: global_step_2: "
+               "critic/__0_0.distcp (model and optimizer shards) is 10 bytes",
+               "global_step_1: its actor part is gone (deleted by trainer.max_actor_ckpt_to_keep, or lost)")
+    assert rollout == 0 and _parts_of_run(tmp_path) == SAVED
 
 
 @pytest.mark.slow

@@ -53,7 +53,8 @@ def _copy(saved, tmp_path):
     return root, CheckpointManager(str(root))
 
 
-def _flip(path, at):
+def flip_byte(path, at):
+    """Invert the byte at offset `at` of a file: same size, other bytes."""
     with open(path, "r+b") as f:
         f.seek(at)
         byte = f.read(1)
@@ -67,7 +68,7 @@ DAMAGE = {
                         "actor/__1_0.distcp (model and optimizer shards) is 1000 bytes, 2000 were saved"),
     "missing shard": (lambda s: os.remove(s / "actor" / "__0_0.distcp"),
                       "actor/__0_0.distcp (model and optimizer shards) is missing"),
-    "flipped bytes": (lambda s: _flip(s / "actor" / "__0_0.distcp", 1234),
+    "flipped bytes": (lambda s: flip_byte(s / "actor" / "__0_0.distcp", 1234),
                       "actor/__0_0.distcp (model and optimizer shards) holds other bytes than were saved (crc32"),
     "missing rng": (lambda s: shutil.rmtree(s / "rng"), "its rng part is gone"),
     "missing rng of one rank": (lambda s: os.remove(s / "rng" / "rank_00001.pt"),
@@ -104,7 +105,7 @@ def test_auto_skips_a_damaged_newest_checkpoint(saved, tmp_path, capsys, damage)
 
 def test_digests_switch_and_sizes_always(saved, tmp_path):
     root, ckpt = _copy(saved, tmp_path)
-    _flip(root / "global_step_2" / "actor" / "__0_0.distcp", 7)
+    flip_byte(root / "global_step_2" / "actor" / "__0_0.distcp", 7)
     assert choose_checkpoint(ckpt, "auto", digests=False) == str(root / "global_step_2")  # same size: not seen
     os.truncate(root / "global_step_2" / "actor" / "common.pt", 10)
     assert choose_checkpoint(ckpt, "auto", digests=False) == str(root / "global_step_1")

@@ -5,6 +5,7 @@ gathered to full HF-named tensors by the HF export path (`mcore_to_hf_stream`, c
 transformers elsewhere) at the saving layout and again at each resuming layout.
 """
 import os
+import shutil
 
 import pytest
 import torch
@@ -132,8 +133,10 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
     import subprocess
     import sys
 
-    from hybridrl.checkpoint import CheckpointManager
+    from hybridrl.checkpoint import CheckpointManager, read_meta
+    from hybridrl.checkpoint.integrity import FILES, list_files, record
     from hybridrl.models.hf_checkpoint import SafetensorsReader
+    from test_checkpoint_damage import flip_byte
     from test_trainer import ROOT
 
     export, snapshot = tmp_path / "export", tmp_path / "at_save_1"
@@ -149,6 +152,12 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
     root = tmp_path / "ckpt"
     assert sorted(CheckpointManager(str(root), 3).complete_steps()) == [1, 2, 3]
     assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
+    # meta.json lists every file both ranks wrote, with its size and crc32, also when written in the background
+    for step in (1, 2, 3):
+        folder = str(root / f"global_step_{step}")
+        files = read_meta(folder)[FILES]
+        assert sorted(files) == list_files(folder, skip=("meta.json",)) and files == record(folder, files)
+        assert {"actor/__1_0.distcp", "rng/rank_00001.pt"} <= set(files), sorted(files)
     # ckpt-to-hf: the last step at world size 1 through the script (= the final export), and step 1 at
     # TP 1 x PP 2 in two processes (= the actor when that save started, though training went on meanwhile)
     last, first = tmp_path / "hf_step3", tmp_path / "hf_step1"
@@ -161,6 +170,16 @@ def test_async_save_publishes_in_order_and_converts_to_hf(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("error: --tp 2 x --pp 1 ") == 1, \
         proc.stderr[-3000:]
     run_distributed(_to_hf, 2, str(root / "global_step_1"), str(first), 1, 2)
+    # a byte flipped in a copy of a shard rank 1 wrote at TP 2: ckpt-to-hf (at TP 1) ends in one line, exit 2
+    damaged = tmp_path / "damaged" / "global_step_3"
+    shutil.copytree(root / "global_step_3", damaged)
+    flip_byte(damaged / "actor" / "__1_0.distcp", 100)
+    proc = subprocess.run(proc.args[:3] + ["--input", str(damaged), "--output", str(tmp_path / "hf_damaged")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
+    assert f"--input {damaged} is damaged: actor/__1_0.distcp (model and optimizer shards) holds other bytes" \
+        in errors[0], errors
     for folder, reference in ((last, export), (first, snapshot)):
         got, want = SafetensorsReader(str(folder)), SafetensorsReader(str(reference))
         assert sorted(got.names()) == sorted(want.names())
