@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from dist_helper import run_distributed
 from hybridrl.models import context_parallel
-from hybridrl.models.context_parallel import cp_attention, lower_right_causal, zigzag_positions
+from hybridrl.models.context_parallel import cp_attention, zigzag_positions
+from hybridrl.placement.reshard import LiveTensorMeter
 
 SCALE = 0.3
 
@@ -103,23 +104,39 @@ def test_cp1_is_per_sequence_causal_attention(heads, groups):
         torch.testing.assert_close(g[real], e[real], atol=1e-5, rtol=1e-5)
 
 
-def test_blocked_lower_right_is_exact_and_saves_no_mask(monkeypatch):
-    """The CPU path: query blocks under checkpointing, against one SDPA with the whole bottom-right mask;
-    nothing of the size of a [Lq, Lk] mask is kept for backward."""
+def test_cp2_rank_pieces_are_exact_and_keep_no_mask(monkeypatch):
+    """Both CP 2 ranks' pieces on K/V gathered by hand (no collective): the CPU path's masked blocks are
+    exact in output and gradients, and nothing of the size of a chunk's mask is kept for backward."""
     monkeypatch.setattr(context_parallel, "QUERY_BLOCK_ROWS", 16)
-    g = torch.Generator().manual_seed(1)
-    lq, lk = 48, 160
-    q, k, v = (torch.randn(n, h, 8, generator=g, requires_grad=True) for n, h in ((lq, 4), (lk, 2), (lk, 2)))
-    w = torch.randn(lq, 4, 8, generator=g)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        out = torch.cat(lower_right_causal(q, k, v, SCALE))
-    assert max(saved) < lq * lk
-    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
-    mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
-    ref = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), attn_mask=mask, scale=SCALE,
-                                         enable_gqa=True).transpose(0, 1)
-    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    lengths = [512, 9, 100]
+    q, k, v, weight, cu, real = _pack(lengths, 2, 4, 2)
+    expected = _reference(q, k, v, weight, cu, lengths)
+    got = [torch.zeros_like(t) for t in (q, q, k, v)]
+    kl, vl = k.clone().requires_grad_(), v.clone().requires_grad_()
+    for rank in range(2):
+        pos = zigzag_positions(cu, 2, rank)
+        ql = q[pos].clone().requires_grad_()
+        with LiveTensorMeter() as meter:
+            out = context_parallel._PackedCausal.apply(ql, kl, vl, context_parallel._plan(cu.tolist(), 2, rank, True),
+                                                       SCALE, 0.0)
+        # kept for backward: the output and the square pieces' own; a chunk's mask alone is 128 x 512 floats
+        assert meter.current <= 3 * out.numel() * 4 < 128 * 512 * 4, meter.current
+        (out * weight[pos]).sum().backward()
+        got[0][pos], got[1][pos] = out.detach(), ql.grad
+    got[2], got[3] = kl.grad, vl.grad
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g[real], e[real], atol=1e-5, rtol=1e-5)
+
+
+def test_recomputed_blocks_draw_the_same_dropout(monkeypatch):
+    """With dropout the output is M @ v for one random M; a backward that redrew M would break
+    sum(out * w) == sum(v * dv)."""
+    monkeypatch.setattr(context_parallel, "QUERY_BLOCK_ROWS", 8)
+    q, k, v, weight, cu, _ = _pack([64], 2, 2, 1)
+    v.requires_grad_()
+    torch.manual_seed(0)
+    out = context_parallel._PackedCausal.apply(q[zigzag_positions(cu, 2, 1)], k, v,
+                                               context_parallel._plan(cu.tolist(), 2, 1, True), SCALE, 0.5)
+    loss = (out * weight[:32]).sum()
+    loss.backward()
+    torch.testing.assert_close((v * v.grad).sum(), loss.detach(), atol=1e-4, rtol=1e-5)

@@ -18,18 +18,20 @@ Attention: local chunk j attends to keys [0, (j+1)·c) of its own sequence with 
 causal mask; a square block (CP 1, or rank 0's first chunk) is plain `is_causal`. Memory stays linear
 in the sequence length: on CUDA `causal_lower_right` runs flash (native GQA) or memory-efficient
 attention (K/V repeated for GQA); where neither applies (CPU) the chunk's queries run in blocks of
-`QUERY_BLOCK_ROWS` rows, each with its own mask under activation checkpointing, so a mask exists only
-for one block at a time and is rebuilt in backward (the price: each block's forward runs twice).
+`QUERY_BLOCK_ROWS` rows, each with its own mask, recomputed in backward, so a mask exists only for one
+block at a time (the price: those blocks' forward runs twice). One autograd function runs every piece
+and writes each input's gradient into one buffer (slices of the inputs would each get a whole-size zero
+gradient from autograd, to be summed: quadratic in the number of sequences of a pack).
 Must not: call megatron's global state, or attend across sequences of a pack.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 QUERY_BLOCK_ROWS = 512
 """Query rows per masked block where no kernel has a bottom-right causal mask (CPU): the transient mask
@@ -59,30 +61,32 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class _GatherKV(torch.autograd.Function):
-    """[2, T_local, groups, d] of every CP rank -> [2, T, groups, d] in pack order; backward returns each
-    rank the sum of all ranks' gradients for its own tokens."""
+    """key, value [T_local, groups, d] of every CP rank -> [T, groups, d] each, in pack order; backward
+    returns each rank the sum of all ranks' gradients for its own tokens."""
 
     @staticmethod
-    def forward(ctx, kv, order, group):
-        cp = order.shape[0]
-        gathered = kv.new_empty((cp * 2,) + tuple(kv.shape[1:]))  # ranks concatenated along dim 0
-        _all_gather_single(gathered, kv.contiguous(), group=group)
-        gathered = gathered.view((cp,) + tuple(kv.shape))
-        whole = kv.new_empty((2, cp * kv.shape[1]) + tuple(kv.shape[2:]))
+    def forward(ctx, key, value, order, group):
+        cp, local = order.shape
+        gathered = key.new_empty((cp * 2, local) + tuple(key.shape[1:]))  # ranks concatenated along dim 0
+        _all_gather_single(gathered, torch.stack((key, value)), group=group)
+        gathered = gathered.view((cp, 2, local) + tuple(key.shape[1:]))
+        whole = [key.new_empty((cp * local,) + tuple(key.shape[1:])) for _ in range(2)]
         for r in range(cp):
-            whole.index_copy_(1, order[r], gathered[r])
+            for i in range(2):
+                whole[i].index_copy_(0, order[r], gathered[r, i])
         ctx.order, ctx.group = order, group
-        return whole
+        return tuple(whole)
 
     @staticmethod
-    def backward(ctx, grad):
-        send = torch.stack([grad.index_select(1, idx) for idx in ctx.order])  # [cp, 2, T_local, groups, d]
-        if dist.get_backend(ctx.group) == "gloo":  # no reduce_scatter on gloo
+    def backward(ctx, grad_key, grad_value):
+        send = torch.stack([torch.stack([g.index_select(0, idx) for g in (grad_key, grad_value)]) for idx in ctx.order])
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(send[0])
+            _reduce_scatter_single(out, send.flatten(0, 1), group=ctx.group)
+        else:  # gloo has no reduce_scatter
             dist.all_reduce(send, group=ctx.group)
-            return send[dist.get_rank(ctx.group)], None, None
-        out = torch.empty_like(send[0])
-        _reduce_scatter_single(out, send.flatten(0, 1), group=ctx.group)
-        return out, None, None
+            out = send[dist.get_rank(ctx.group)]
+        return out[0], out[1], None, None
 
 
 def _sdpa(q, k, v, **kwargs):
@@ -92,48 +96,118 @@ def _sdpa(q, k, v, **kwargs):
     return out.squeeze(0).transpose(0, 1)
 
 
-def _masked_block(q, k, v, scale, dropout_p):
+def _lower_right_kernel(query, key, value, dropout_p: float) -> str:
+    """How bottom-right causal pieces of these tensors run: "fused" (`causal_lower_right` reaches flash,
+    or memory-efficient attention, on CUDA), "repeat" (memory-efficient once K/V are repeated to every
+    head: it has no GQA) or "masked" (CPU: explicit masks in recomputed blocks)."""
+    if not query.is_cuda:
+        return "masked"
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    q, k, v = (t[:1].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # one token: shapes and dtypes
+    gqa = k.shape[1] != q.shape[1]
+    params = SDPAParams(q, k, v, None, dropout_p, False, gqa)
+    if can_use_flash_attention(params) or can_use_efficient_attention(params):
+        return "fused"
+    if gqa:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        if can_use_efficient_attention(SDPAParams(q, k, v, None, dropout_p, False, False)):
+            return "repeat"
+    return "masked"
+
+
+def _piece(q, k, v, scale: float, dropout_p: float):
+    """Rows q [Lq, heads, d] at the last Lq of the Lk positions of k, v, each seeing keys up to its own."""
+    if q.shape[0] == k.shape[0]:
+        return _sdpa(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
+    if q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return _sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[0], k.shape[0]), dropout_p=dropout_p, scale=scale)
     allowed = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(k.shape[0] - q.shape[0])
     return _sdpa(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
 
 
-def _native_lower_right(q, k, v, dropout_p):
-    """(k, v) for which `causal_lower_right` runs a fused CUDA kernel, or None where it would build the mask."""
-    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
-
-    if not q.is_cuda:
-        return None
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if can_use_flash_attention(SDPAParams(qh, kh, vh, None, dropout_p, False, k.shape[1] != q.shape[1])):
-        return k, v
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:  # the memory-efficient kernel has no GQA
-        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    if can_use_efficient_attention(SDPAParams(qh, kh, vh, None, dropout_p, False, False)):
-        return k, v
-    return None
-
-
-def lower_right_causal(q, k, v, scale: float, dropout_p: float = 0.0) -> list:
-    """Query rows [Lq, heads, d] at the last Lq of Lk key positions, each seeing keys up to its own ->
-    pieces of the output [Lq, heads, d] in row order (to be concatenated)."""
-    if q.shape[0] == k.shape[0]:
-        return [_sdpa(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)]
-    native = _native_lower_right(q, k, v, dropout_p)
-    if native is not None:
-        from torch.nn.attention.bias import causal_lower_right
-
-        return [_sdpa(q, *native, attn_mask=causal_lower_right(q.shape[0], k.shape[0]), dropout_p=dropout_p,
-                      scale=scale)]
-    block = functools.partial(_masked_block, scale=scale, dropout_p=dropout_p)
-    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    shift, pieces = k.shape[0] - q.shape[0], []
-    for start in range(0, q.shape[0], QUERY_BLOCK_ROWS):
-        end = min(start + QUERY_BLOCK_ROWS, q.shape[0])
-        args = (q[start:end], k[:shift + end], v[:shift + end])
-        pieces.append(checkpoint(block, *args, use_reentrant=False) if recompute else block(*args))
+def _plan(bounds: list, cp: int, rank: int, masked: bool) -> list:
+    """(q0, q1, k0, k1, recompute) per piece: local query rows [q0, q1) are the last rows of the keys [k0, k1)
+    of the pack; recompute: a masked block (its mask is rebuilt in backward instead of kept)."""
+    pieces = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        c = (b - a) // (2 * cp)
+        chunks = [(a // cp, 2 * c, b)] if cp == 1 else [(a // cp, c, a + (rank + 1) * c),
+                                                        (a // cp + c, c, a + (2 * cp - rank) * c)]
+        for q0, rows, k1 in chunks:
+            if rows == 0:
+                continue
+            if not masked or k1 - a == rows:  # a fused kernel, or a square block: is_causal
+                pieces.append((q0, q0 + rows, a, k1, False))
+                continue
+            for start in range(0, rows, QUERY_BLOCK_ROWS):
+                end = min(start + QUERY_BLOCK_ROWS, rows)
+                pieces.append((q0 + start, q0 + end, a, k1 - rows + end, True))
     return pieces
+
+
+class _PackedCausal(torch.autograd.Function):
+    """The pieces of a plan over one query [T_local, heads, d] and one key/value [T, groups, d], each
+    input's gradient written into one buffer: autograd through slices would give every slice a
+    whole-size zero gradient to sum (quadratic in the number of sequences of a pack)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, pieces, scale, dropout_p):
+        grad = [ctx.needs_input_grad[i] for i in range(3)]
+        out = query.new_empty(query.shape)
+        ctx.kept = []
+        for q0, q1, k0, k1, recompute in pieces:
+            leaves = [t.detach()[i0:i1].requires_grad_(g)
+                      for t, (i0, i1), g in zip((query, key, value), ((q0, q1), (k0, k1), (k0, k1)), grad)]
+            keep = any(grad) and not recompute
+            rng = _rng_state(query.device) if recompute and dropout_p else None
+            with torch.set_grad_enabled(keep):
+                piece = _piece(*leaves, scale, dropout_p)
+            out[q0:q1] = piece.detach()
+            if any(grad):
+                ctx.kept.append((q0, q1, k0, k1, leaves, piece if keep else None, rng))
+        ctx.scale, ctx.dropout_p = scale, dropout_p
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (query, key, value)]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        need = [ctx.needs_input_grad[i] for i in range(3)]
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if n else None
+                 for (shape, dtype, device), n in zip(ctx.like, need)]
+        for q0, q1, k0, k1, leaves, piece, rng in ctx.kept:
+            if piece is None:
+                with torch.enable_grad(), _restored_rng(leaves[0].device, rng):
+                    piece = _piece(*leaves, ctx.scale, ctx.dropout_p)
+            wanted = [leaf for leaf, n in zip(leaves, need) if n]
+            got = iter(torch.autograd.grad(piece, wanted, grad_out[q0:q1]))
+            for g, (i0, i1), n in zip(grads, ((q0, q1), (k0, k1), (k0, k1)), need):
+                if n:
+                    g[i0:i1] += next(got)
+        ctx.kept = None
+        return grads[0], grads[1], grads[2], None, None, None
+
+
+def _rng_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _restored_rng(device, state):
+    """The generator as it was before a recomputed piece's forward (dropout draws the same mask)."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
 
 
 def cp_attention(query, key, value, cu_seqlens_padded, cp_group, softmax_scale: float, dropout_p: float = 0.0):
@@ -151,18 +225,12 @@ def cp_attention(query, key, value, cu_seqlens_padded, cp_group, softmax_scale: 
         raise ValueError(f"cp_attention: every padded length must be a multiple of 2*cp={2 * cp}, got cu {bounds}")
     if cp > 1:
         order = torch.stack([zigzag_positions(cu_seqlens_padded.to(key.device), cp, r) for r in range(cp)])
-        key, value = _GatherKV.apply(torch.stack((key, value)), order, cp_group)
+        key, value = _GatherKV.apply(key, value, order, cp_group)
     elif value.requires_grad and torch.is_grad_enabled():
         value = value.contiguous()  # a view of the fused QKV projection would keep all of it for backward
-    pieces = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        c = (b - a) // (2 * cp)
-        q, k, v = query[a // cp:a // cp + 2 * c], key[a:b], value[a:b]
-        if c == 0:
-            continue
-        if cp == 1:
-            pieces += lower_right_causal(q, k, v, softmax_scale, dropout_p)
-            continue
-        for j, rows in ((rank, q[:c]), (2 * cp - 1 - rank, q[c:])):
-            pieces += lower_right_causal(rows, k[:(j + 1) * c], v[:(j + 1) * c], softmax_scale, dropout_p)
-    return torch.cat(pieces) if pieces else torch.zeros_like(query)
+    kernel = _lower_right_kernel(query, key, value, dropout_p) if cp > 1 else "fused"
+    if kernel == "repeat":
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    pieces = _plan(bounds, cp, rank, kernel == "masked")
+    return _PackedCausal.apply(query, key, value, pieces, softmax_scale, dropout_p)
