@@ -118,6 +118,17 @@ def test_explicit_damaged_and_none_intact(saved, tmp_path):
                        r"rank 00000\) is 5 bytes, .*; intact checkpoints there \(file sizes checked\): "
                        rf"{root / 'global_step_1'}; pass one, or trainer.resume_mode=auto"):
         choose_checkpoint(ckpt, str(root / "global_step_2"), digests=True)
+    shutil.copytree(root / "global_step_1", root / "global_step_3")
+    shutil.rmtree(root / "global_step_3" / "rng")
+    with pytest.raises(CheckpointError, match=r"global_step_3 is damaged: its rng part is gone; intact checkpoints "
+                       rf"there \(file sizes checked\): {root / 'global_step_1'}; pass one"):
+        choose_checkpoint(ckpt, str(root / "global_step_3"), digests=True)
+    shutil.rmtree(root / "global_step_3")
+    os.makedirs(root / "global_step_3")
+    with pytest.raises(CheckpointError, match=r"global_step_3 is damaged: it has no meta.json; the folder is empty; "
+                       r"intact checkpoints there"):
+        choose_checkpoint(ckpt, str(root / "global_step_3"), digests=True)
+    shutil.rmtree(root / "global_step_3")
     os.remove(root / "global_step_1" / "in_flight.pt")
     with pytest.raises(CheckpointError, match=r"global_step_2 is damaged: .*; no other checkpoint there is intact"):
         choose_checkpoint(ckpt, str(root / "global_step_2"), digests=True)
@@ -165,3 +176,42 @@ def test_keep_rule_spares_the_newest_intact_while_a_newer_one_is_damaged(tmp_pat
     ckpt.keep = {"actor": 1}
     ckpt.prune(newest=4)
     assert sorted(ckpt.complete_steps()) == [2, 4] and os.listdir(tmp_path / "global_step_2" / "actor") == ["shard"]
+
+
+def test_a_failed_load_names_step_part_and_file(saved, tmp_path):
+    """What torch's loaders raise (EOFError inside a CheckpointException, a torn zip, a missing file) becomes one
+    CheckpointError naming the step, the part and the file: from meta.json's list, else from the shard index of a
+    checkpoint saved before files were listed, else from the error; any other error goes on unchanged."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hybridrl.checkpoint import naming_damage
+
+    root, _ = _copy(saved, tmp_path)
+    step = root / "global_step_2"
+    os.truncate(step / "in_flight.pt", 20)
+    with pytest.raises(CheckpointError, match=rf"could not load the in_flight.pt part of {step}: in_flight.pt \(the "
+                       r"batch in flight\) is 20 bytes, \d+ were saved; resume from another checkpoint"):
+        with naming_damage(str(step), "in_flight.pt", path=str(step / "in_flight.pt")):
+            torch.load(step / "in_flight.pt", weights_only=False)
+    legacy = tmp_path / "legacy" / "global_step_1"  # meta.json without a file list, a real torch_dist shard
+    dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(legacy / "actor"), no_dist=True)
+    os.truncate(legacy / "actor" / "__0_0.distcp", 100)
+    (legacy / "meta.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"actor part of .*global_step_1: actor/__0_0.distcp \(model and "
+                       r"optimizer shards\) is 100 bytes, its index needs \d+; pass another"):
+        with naming_damage(str(legacy), "actor", "pass another"):
+            dcp.load({"w": torch.zeros(1000)}, checkpoint_id=str(legacy / "actor"), no_dist=True)
+    os.makedirs(legacy / "rng")
+    (legacy / "rng" / "rank_00000.pt").write_bytes(b"PK\x03\x04 torn")
+    with pytest.raises(CheckpointError, match=r"rng/rank_00000.pt \(the RNG streams of rank 00000\) cannot be read "
+                       r"\(RuntimeError: PytorchStreamReader failed"):
+        with naming_damage(str(legacy), "rng", path=str(legacy / "rng" / "rank_00000.pt")):
+            torch.load(legacy / "rng" / "rank_00000.pt", weights_only=False)
+    with pytest.raises(CheckpointError, match=r"could not load the actor part of .*: actor/common.pt \(the optimizer's "
+                       r"settings and step counts\) is missing"):
+        with naming_damage(str(legacy), "actor"):
+            open(legacy / "actor" / "common.pt", "rb")
+    with pytest.raises(KeyError, match="a bug"):
+        with naming_damage(str(legacy), "actor"):
+            raise KeyError("a bug")

@@ -12,9 +12,9 @@ Checkpoints stand on models, parallel and config; they must not import workers, 
 or the trainer (the trainer hands them its roles' modules and optimizers).
 """
 from hybridrl.checkpoint.folders import CheckpointError, CheckpointManager, read_meta
-from hybridrl.checkpoint.resume import choose_checkpoint
+from hybridrl.checkpoint.resume import choose_checkpoint, naming_damage
 from hybridrl.checkpoint.rng import rng_state, set_rng_state
 from hybridrl.checkpoint.writer import CheckpointWriter, load_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriter", "choose_checkpoint", "load_checkpoint",
-           "read_meta", "rng_state", "set_rng_state"]
+           "naming_damage", "read_meta", "rng_state", "set_rng_state"]

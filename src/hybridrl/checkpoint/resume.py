@@ -15,7 +15,8 @@ from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-from hybridrl.checkpoint.folders import CheckpointError, CheckpointManager, check_step_folder, lists_files, step_damage
+from hybridrl.checkpoint.folders import (STEP_DIR, CheckpointError, CheckpointManager, check_step_folder, lists_files,
+                                        step_damage)
 from hybridrl.checkpoint.integrity import describe, file_error, shard_damage
 from hybridrl.log import print0, rank
 
@@ -46,7 +47,9 @@ def choose_checkpoint(folders: CheckpointManager, resume_mode: str, digests: boo
     if resume_mode == "disable":
         return None
     if resume_mode != "auto":
-        check_step_folder(resume_mode)
+        named = os.path.normpath(resume_mode)
+        if not (os.path.isdir(named) and STEP_DIR.match(os.path.basename(named))):
+            check_step_folder(resume_mode)  # no folder, a root, an interrupted save: says which
         problem = damage(resume_mode, digests)
         if problem:
             raise CheckpointError(f"trainer.resume_mode={resume_mode} is damaged: {problem}; "

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint, load_checkpoint
+from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint, load_checkpoint, naming_damage
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
 from hybridrl.trainer.ppo import PPOTrainer, TrainingError
@@ -353,7 +353,9 @@ def _resume(trainer, path, loader) -> int:
     trainer.version = int(meta["step"])
     in_flight = os.path.join(path, IN_FLIGHT)
     if trainer.remote is not None and trainer.cfg.async_training.staleness_threshold and os.path.isfile(in_flight):
-        trainer.remote.restore(torch.load(in_flight, weights_only=False))  # generated one version behind
+        with naming_damage(path, IN_FLIGHT, path=in_flight):
+            batch = torch.load(in_flight, weights_only=False)
+        trainer.remote.restore(batch)  # generated one version behind
     trainer.sync_rollout_weights()
     print0(f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
