@@ -146,7 +146,8 @@ def _rs_statistic(option: str, divergence: Dict[str, Tensor], mask: Tensor) -> T
 def _rs_metrics(prefix: str, stat: Tensor, seq_stat: Optional[Tensor], mask: Tensor, seq_valid: Tensor,
                 lower: float, upper: float, two_sided: bool) -> Dict[str, float]:
     """verl's per-option RS statistics: the statistic's mean, range, fractions past the bounds and std over
-    tokens (over sequences, for the sequence options), and its sequence-level summary."""
+    tokens (over sequences, for the sequence options), and its sequence-level summary. `lower` is 0 for the
+    one-sided (k2, k3) options: only the std's clamp uses it there."""
     per_seq = (seq_stat if seq_stat is not None else _mean(stat, mask, -1))[seq_valid]
     by_seq = seq_stat is not None and per_seq.numel() > 0
     low_side = lambda x: x < lower if two_sided else torch.zeros_like(x, dtype=torch.bool)
@@ -159,7 +160,7 @@ def _rs_metrics(prefix: str, stat: Tensor, seq_stat: Optional[Tensor], mask: Ten
         out.update({f"{prefix}_max": _masked_max(stat, mask), f"{prefix}_min": _masked_min(stat, mask),
                     f"{prefix}_fraction_high": _mean((stat > upper).float(), mask).item(),
                     f"{prefix}_fraction_low": _mean(low_side(stat).float(), mask).item()})
-    out[f"{prefix}_std"] = _clamped_std(stat, mask, lower if two_sided else 0.0, upper)
+    out[f"{prefix}_std"] = _clamped_std(stat, mask, lower, upper)
     out.update({f"{prefix}_seq_mean": per_seq.mean().item(), f"{prefix}_seq_std": _std(per_seq),
                 f"{prefix}_seq_max": per_seq.max().item(), f"{prefix}_seq_min": per_seq.min().item(),
                 f"{prefix}_seq_max_deviation": per_seq.abs().max().item(),
