@@ -51,3 +51,17 @@ def test_ppo_at_tp2_sp_cp2_on_four_ranks_equals_world1(tmp_path, tmp_path_factor
                      timeout=400)
     assert "tp=2 cp=2" in proc.stdout
     _close(read_scalars(tmp_path), read_scalars(reference), FIRST_STEP + GAE_KEYS, 1, 1e-5)
+
+
+@pytest.mark.slow
+def test_moe_at_tp2_sp_ep2_equals_world1(tmp_path, tmp_path_factory):
+    """megatron trains MoE at TP > 1 only with sequence parallelism: TP 2 x EP 2 on four ranks, experts split
+    over TP and EP, gives world 1's first step."""
+    moe = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_intermediate_size=32",
+           "trainer.total_training_steps=1"]
+    reference = tmp_path_factory.mktemp("w1_moe")
+    run_distributed(_train, 1, TINY, _overrides(reference, moe))
+    proc = _torchrun(tmp_path, 4, moe + ["parallel.tensor_model_parallel_size=2",
+                                         "parallel.expert_model_parallel_size=2"], timeout=400)
+    assert "tp=2 pp=1 dp=2 ep=2" in proc.stdout
+    _close(read_scalars(tmp_path), read_scalars(reference), FIRST_STEP, 1, 1e-5)
