@@ -75,7 +75,8 @@ DAMAGE = {
                                 "rng/rank_00001.pt (the RNG streams of rank 00001) is missing"),
     "missing optimizer part": (lambda s: os.remove(s / "actor" / "common.pt"),
                                "actor/common.pt (the optimizer's settings and step counts) is missing"),
-    "missing batch in flight": (lambda s: os.remove(s / "in_flight.pt"), "in_flight.pt (the batch in flight) is missing"),
+    "missing batch in flight": (lambda s: os.remove(s / "in_flight.pt"),
+                                "in_flight.pt (the batch in flight) is missing"),
     "empty step folder": (lambda s: [shutil.rmtree(s), os.makedirs(s)], "it has no meta.json; the folder is empty"),
 }
 
@@ -146,7 +147,8 @@ def test_checkpoint_without_a_file_list_loads_unverified(saved, tmp_path, capsys
     (root / "global_step_2" / "meta.json").write_text(json.dumps(meta))
     os.truncate(root / "global_step_2" / "actor" / "common.pt", 10)  # unseen until it is loaded
     assert choose_checkpoint(ckpt, "auto", digests=True) == str(root / "global_step_2")
-    assert "global_step_2 was saved before checkpoints listed their files: loading it unverified" in capsys.readouterr().out
+    note = "global_step_2 was saved before checkpoints listed their files: loading it unverified"
+    assert note in capsys.readouterr().out
 
 
 def _publish(ckpt, step):

@@ -213,7 +213,8 @@ def step_damage(path: str, digests: bool, share: Tuple[int, int] = (0, 1),
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
     except FileNotFoundError:
-        return -1, f"it has no {META}" + ("; the folder is empty" if not os.listdir(path) else "")
+        empty = os.path.isdir(path) and not os.listdir(path)
+        return -1, f"it has no {META}" + ("; the folder is empty" if empty else "")
     except (OSError, ValueError) as err:
         return -1, f"its {META} cannot be read ({err})"
     files = meta.get(FILES) if isinstance(meta, dict) else None

@@ -112,7 +112,7 @@ class CheckpointWriter:
         self._agree(step, lambda: mine.update(record(tmp, names[0][rank::world])))
         shares = [None] * world
         dist.all_gather_object(shares, mine)
-        return {name: share[name] for share in shares for name in share}
+        return dict(sorted((name, entry) for share in shares for name, entry in share.items()))
 
     def _agree(self, step: int, write) -> None:
         """Run `write` on this rank; when it fails on any rank, raise the same CheckpointError on all."""
