@@ -7,6 +7,7 @@ decode step; fully masked (padding) rows stay finite.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dist_helper import run_distributed
 from models_helper import ragged_batch
@@ -220,3 +221,23 @@ def test_a_layer_saves_what_the_planner_counts(qk_norm):
     keeps all of it): the planner's layer within 2% (left out: RoPE's cos/sin, RMSNorm statistics)."""
     measured, planned = run_distributed(_saved_per_layer, 1, qk_norm)[0]
     assert planned == pytest.approx(measured, rel=0.02)
+
+
+def test_packed_attention_keeps_memory_linear_in_the_sequence():
+    """Each packed sequence runs the fused kernel: forward and backward of one 2048-token sequence never hold
+    a [heads, L, L] score tensor (the math path, taken for 3-d inputs, holds 64 MiB of them here)."""
+    from hybridrl.models.sdpa_attention import packed_causal_attention
+    from hybridrl.placement.reshard import LiveTensorMeter
+
+    L, heads, groups, d = 2048, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(L, heads, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(L, groups, d, generator=g, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 7, L], dtype=torch.int32)
+    with LiveTensorMeter() as meter:
+        packed_causal_attention(q, k, v, cu, d ** -0.5).sum().backward()
+    assert meter.peak < heads * L * L * 4 / 8, meter.peak
+    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1).repeat_interleave(2, 0),
+                                                    v[a:b].transpose(0, 1).repeat_interleave(2, 0), is_causal=True,
+                                                    scale=d ** -0.5).transpose(0, 1) for a, b in ((0, 7), (7, L))])
+    torch.testing.assert_close(packed_causal_attention(q, k, v, cu, d ** -0.5), ref, atol=1e-5, rtol=1e-5)

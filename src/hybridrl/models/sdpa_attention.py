@@ -137,7 +137,8 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float, dropout
     gqa = key.shape[1] != query.shape[1]
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))  # [n, len, d]
+        # [1, n, len, d]: the fused (flash) kernels take 4-d inputs only; 3-d ones run the [len, len] math path
+        q, k, v = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
-                                                   enable_gqa=gqa).transpose(0, 1))
+                                                   enable_gqa=gqa)[0].transpose(0, 1))
     return torch.cat(outs)
