@@ -253,3 +253,11 @@ def test_long_sequence_layout_rules():
                                                      "placement.rollout_world_size=1"], 3)
     with pytest.raises(ConfigError, match="parallel.context_parallel_size must be >= 1"):
         load_config(TINY, ["parallel.context_parallel_size=0"])
+
+
+def test_vllm_engine_dtype_must_match_a_verified_handoff():
+    """Refused at start, not at the first weight bucket (the engine is built in rollout.dtype)."""
+    vllm = ["rollout.name=vllm", "model.params_dtype=float32"]
+    assert "set rollout.dtype=float32" in _layout_error(vllm, 1)
+    derive_layout(load_config(TINY, vllm + ["rollout.dtype=float32"]), 1)
+    derive_layout(load_config(TINY, vllm + ["rollout.verify_weights=off"]), 1)

@@ -147,6 +147,16 @@ def check_long_sequences(cfg: Config) -> None:
              f"{cfg.data.max_prompt_length + cfg.data.max_response_length} tokens at most are too short for it")
 
 
+def check_engine_dtype(cfg: Config) -> None:
+    """A verified handoff into vLLM compares the bits the trainer sent with what the engine stored: both in
+    one dtype (the native engine always runs in model.params_dtype)."""
+    r, dtype = cfg.rollout, cfg.model.params_dtype
+    _require(r.name != "vllm" or r.verify_weights == "off" or r.dtype == dtype,
+             f"the trainer sends {dtype} weights (model.params_dtype) to a vLLM engine holding {r.dtype} "
+             f"(rollout.dtype), but the verified handoff compares their bits; set rollout.dtype={dtype} or "
+             f"model.params_dtype={r.dtype}, or rollout.verify_weights=off (vLLM then casts them)")
+
+
 def expert_parallel_size(cfg: Config, dims: ModelDims, tp: int, dp: int) -> int:
     """EP of the training models, after checking it against the model and the layout."""
     ep = cfg.parallel.expert_model_parallel_size
@@ -247,6 +257,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     ep = expert_parallel_size(cfg, dims, tp, dp)
     check_router_replay(cfg, dims)
     check_long_sequences(cfg)
+    check_engine_dtype(cfg)
     _require(ep == 1 or not cfg.placement.critic_world_size,
              "parallel.expert_model_parallel_size > 1 with placement.critic_world_size > 0 is not supported; "
              "train the critic with the actor (critic_world_size=0)")
