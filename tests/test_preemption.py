@@ -204,3 +204,22 @@ def test_a_rank_killed_mid_step_is_named_by_the_others(tmp_path):
     out = (tmp_path / "out.log").read_text()
     assert code != 0 and time.monotonic() - killed < 60
     assert re.search(r"^(\[rank0\]: )?error: rank 1 died during [a-z_]+ ", out, re.M), out[-3000:]  # a named phase
+
+
+@pytest.mark.slow
+def test_kill_9_of_torchrun_ends_its_ranks(tmp_path):
+    """torchrun starts each rank in a session of its own, so a kill -9 of torchrun (or of its process group)
+    reaches no rank; the ranks die with it instead of training on with nobody to report to."""
+    import psutil
+
+    run = _start(tmp_path, [], nproc=2)
+    _wait_for(tmp_path / "out.log", r"step:2 ")
+    ranks = [p for p in psutil.Process(run.pid).children(recursive=True) if "train_ppo.py" in " ".join(p.cmdline())]
+    assert len(ranks) == 2 and all(os.getsid(p.pid) != os.getsid(run.pid) for p in ranks)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    deadline = time.monotonic() + 10
+    alive = lambda: [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), [p.pid for p in alive()]

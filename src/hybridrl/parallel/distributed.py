@@ -119,9 +119,18 @@ PORT_TRIES = 5
 and the bind (tests running side by side do)."""
 
 
+def die_with_launcher() -> None:
+    """A rank started by torchrun lives in a session of its own (torch's elastic agent starts it so): a kill
+    of torchrun, or of its process group, never reaches it, and it would train on alone. It dies with the
+    agent instead (PR_SET_PDEATHSIG on itself); a no-op off Linux or without torchrun."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        _pdeathsig(os.getppid())
+
+
 def init_distributed(timeout_s: int = 600) -> LaunchEnv:
     """Initialise the default process group (idempotent) and the CPU patches when there is no CUDA."""
     die_with_parent()
+    die_with_launcher()
     le = launch_env()
     chose_port = le.world_size == 1 and not os.environ.get("MASTER_PORT")  # launch_env picked a free one
     export_launch_env(le)
