@@ -128,8 +128,8 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     is exact all the same, because RoPE attention depends only on relative positions, which a
     per-row shift does not change.
     `loss_fn(output, micro_batch) -> (scalar loss, dict)`, run on the last stage. Without `token_fn`,
-    output is the model's: logits [B, S, V_pad/tp] for the actor, values [B, S] for the critic (the padded
-    layout only). With `token_fn(output, labels) -> {name: per-token tensor}` (labels: each position's
+    output is the model's: logits [B, S, V_pad/tp] for the actor, values [B, S] for the critic (zero at a
+    packed layout's padding). With `token_fn(output, labels) -> {name: per-token tensor}` (labels: each position's
     next token), output is that dict as [B, S] tensors in the rows' columns, whatever the layout: padded,
     packed (`model.remove_padding`, `models/packing.py`) or context parallel (packed, gathered over CP).
     Backward: megatron divides each micro-batch loss by their number.
@@ -140,8 +140,6 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     loss_fn = loss_fn or _forward_only_loss
     layout = SequenceLayout.of(model)
     padding = padding or padding_mode(model)
-    if token_fn is None and (layout.packed or layout.cp > 1):
-        raise ValueError("a packed or context-parallel forward needs per-token results (token_fn)")
     finish = ((lambda output, mb: loss_fn(_padded_tokens(token_fn, output, mb), mb)) if token_fn is not None
               else loss_fn)
 
@@ -192,9 +190,12 @@ def _packed_step(chunk, mb: dict, layout: "SequenceLayout", token_fn: Callable, 
         out = chunk(pack.pack(ids), pack.positions(), None, packed_seq_params=pack.params(layout.cp_group))
 
     def finish(output):
-        stats = token_fn(output, pack.next_token_labels(ids))
+        # without token_fn the model's own output comes back in the rows' columns (under CP gathered whole:
+        # for logits that is every rank's vocabulary slice of every token, which per-token results avoid)
+        stats = {"output": output} if token_fn is None else token_fn(output, pack.next_token_labels(ids))
         if layout.cp > 1:
             stats = {k: gather_tokens(v, pack.local, layout.cp_group) for k, v in stats.items()}
-        return loss_fn({k: pack.unpack(v) for k, v in stats.items()}, mb)
+        tokens = {k: pack.unpack(v) for k, v in stats.items()}
+        return loss_fn(tokens["output"] if token_fn is None else tokens, mb)
 
     return out, finish
