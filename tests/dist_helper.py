@@ -3,6 +3,8 @@
 `run_distributed(fn, world_size, *args)` spawns `world_size` processes, each with torchrun-style
 environment variables, initialises torch.distributed (gloo) and hybridrl's CPU patches, calls
 `fn(*args)` and returns the list of per-rank return values. `fn` must be a module-level function.
+With `on_virtual_device=True` the body runs on the emulated accelerator of tests/virtual_device.py:
+a torch.distributed tensor collective on a host tensor fails there, as nccl would on a GPU.
 Ranks are not daemonic, so a body may start processes of its own (megatron-core's checkpoint writers
 do); a rank still running when the test fails or times out is killed. A launch whose free port another
 process took before rank 0 bound it (tests run on two workers) runs again once on another port.
@@ -25,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, fn, args, results, on_virtual_device=False):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     try:
@@ -34,7 +36,13 @@ def _worker(rank, world_size, port, fn, args, results):
         from hybridrl.parallel import distributed
 
         distributed.init_distributed(timeout_s=120)
-        out = fn(*args)
+        if on_virtual_device:
+            from virtual_device import virtual_device
+
+            with virtual_device():
+                out = fn(*args)
+        else:
+            out = fn(*args)
         # Bytes, not tensors: tensors sent through a Queue live in this process's shared memory,
         # which is gone if it exits before the parent has read them.
         buf = io.BytesIO()
@@ -62,11 +70,12 @@ def _context():
     return ctx
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, port_tries: int = 2):
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, port_tries: int = 2,
+                    on_virtual_device: bool = False):
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, on_virtual_device), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -96,7 +105,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, port_tri
     if errors:
         rank = min(errors)
         if port_tries > 1 and "EADDRINUSE" in errors[rank]:  # another process took the free port first
-            return run_distributed(fn, world_size, *args, timeout=timeout, port_tries=port_tries - 1)
+            return run_distributed(fn, world_size, *args, timeout=timeout, port_tries=port_tries - 1,
+                                   on_virtual_device=on_virtual_device)
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
     import torch
 

@@ -20,13 +20,15 @@ def width_agreement(groups) -> Callable[[Widths], Widths] | None:
     if groups.ep == 1:
         return None
 
-    def agree(widths: Widths) -> Widths:
-        local = torch.tensor([len(widths), -len(widths)] + [w for pair in widths for w in pair], dtype=torch.long)
-        count = torch.tensor([len(widths), -len(widths)], dtype=torch.long)
+    def agree(widths: Widths) -> Widths:  # on the run's device: the expert group is nccl on GPUs
+        local = torch.tensor([len(widths), -len(widths)] + [w for pair in widths for w in pair], dtype=torch.long,
+                             device=groups.device)
+        count = local[:2].clone()
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.ep_group)
-        if count[0] != -count[1]:
+        most, fewest = count[0].item(), -count[1].item()
+        if most != fewest:
             raise RuntimeError(f"expert-parallel ranks split their rows into different numbers of micro-batches "
-                               f"({-count[1].item()} to {count[0].item()}); with parallel.expert_model_parallel_size > 1 "
+                               f"({fewest} to {most}); with parallel.expert_model_parallel_size > 1 "
                                "use fixed micro-batch sizes (use_dynamic_bsz=false)")
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=groups.ep_group)
         flat = local[2:].tolist()

@@ -168,6 +168,7 @@ def my_rows(msg: dict, lo_rank: int, hi_rank: int):
 def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     """The loop of a rollout rank: build the engine, then answer the trainers until `stop`."""
     from hybridrl.models.hf_config import spec_from_dict
+    from hybridrl.parallel.distributed import run_device
     from hybridrl.placement.reshard import new_rollout_groups
     from hybridrl.rollout.agent_loop import AgentLoop
     from hybridrl.timeline import Timeline
@@ -186,7 +187,7 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     server = _Server(control, world, engine, agent, groups, Timeline(world.rank, "rollout"))
     partial = None
     if cfg.async_training.partial_rollout:
-        partial = _PartialWeights(world.store, receiver, engine, world.rank == world.rollout_leader)
+        partial = _PartialWeights(world.store, receiver, engine, world.rank == world.rollout_leader, run_device())
         engine.between_steps = partial.between_steps
     version = -1  # no weights yet
     while True:
@@ -210,26 +211,36 @@ trainers are sending new weights: take them at the next decode step) or "done" (
 
 
 class _PartialWeights:
-    """Partial rollout on the rollout ranks (one engine replica): between decode steps the replica's first
-    rank looks at the handshake key, every rank of the replica agrees, and new weights are taken in
-    place; generation goes on with them. The trainers only send mid-answer after switching the key from
-    "generating" to "weights" (compare-and-set), and the replica ends an answer by switching it to
-    "done" the same way, so a weight send is never left without a receiver."""
+    """Partial rollout on the rollout ranks (one engine replica): every `poll_steps` decode steps the
+    replica's first rank looks at the handshake key, every rank of the replica agrees, and new weights are
+    taken in place; generation goes on with them. The trainers only send mid-answer after switching the key
+    from "generating" to "weights" (compare-and-set), and the replica ends an answer by switching it to
+    "done" the same way, so a weight send is never left without a receiver. The agreement is a broadcast
+    on the rollout world (nccl on GPUs: its flag lives on `device`); a store read is a TCP round trip,
+    hence not at every step."""
 
-    def __init__(self, store, receiver, engine, leader: bool):
+    def __init__(self, store, receiver, engine, leader: bool, device, poll_steps: int = 4):
         self.store, self.receiver, self.engine, self.leader = store, receiver, engine, leader
+        self.device, self.poll_steps, self.steps = device, poll_steps, 0
         self.version = -1
 
     def _agree(self, value: bool) -> bool:
-        flag = torch.tensor([1.0 if value else 0.0])
+        """The leader's `value` on every rank of the replica."""
+        if dist.get_world_size() == 1:
+            return value
+        flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=self.device)
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
     def begin(self) -> None:
+        self.steps = 0
         if self.leader:
             self.store.set(PARTIAL_KEY, "generating")
 
     def between_steps(self) -> bool:
+        self.steps += 1
+        if self.steps % self.poll_steps:
+            return False
         if not self._agree(self.leader and self.store.get(PARTIAL_KEY) == b"weights"):
             return False
         self.version = self.receiver.receive(self.engine)

@@ -1,0 +1,93 @@
+"""Collectives on the run's device: small pieces of split placement and expert parallelism, run on the
+emulated accelerator (tests/virtual_device.py through `run_distributed(..., on_virtual_device=True)`), where
+a tensor collective on a host tensor fails as it would on an nccl group of a GPU run."""
+import pytest
+
+from dist_helper import run_distributed
+
+
+class _Store:
+    """The handshake key of partial rollout, as the leader's TCPStore holds it; counts reads."""
+
+    def __init__(self):
+        self.value, self.reads = b"generating", 0
+
+    def get(self, key):
+        self.reads += 1
+        return self.value
+
+    def set(self, key, value):
+        self.value = value.encode()
+
+    def compare_set(self, key, expected, value):
+        if self.value == expected.encode():
+            self.set(key, value)
+        return self.value
+
+
+class _Receiver:
+    def __init__(self):
+        self.taken = 0
+
+    def receive(self, engine):
+        self.taken += 1
+        return 7
+
+
+def _partial_rollout_flag():
+    import torch.distributed as dist
+
+    from virtual_device import VIRTUAL
+
+    from hybridrl.trainer.split import _PartialWeights
+
+    leader = dist.get_rank() == 0
+    store, receiver = _Store(), _Receiver()
+    partial = _PartialWeights(store if leader else None, receiver, None, leader, VIRTUAL)
+    partial.begin()
+    took = []
+    for step in range(1, 13):
+        if step == 6 and leader:
+            store.set("k", "weights")  # the trainers claimed the generation
+        if partial.between_steps():
+            took.append(step)
+    partial.end()
+    return dict(took=took, version=partial.version, taken=receiver.taken, reads=store.reads if leader else None)
+
+
+def _expert_widths():
+    import types
+
+    import torch.distributed as dist
+
+    from virtual_device import VIRTUAL
+
+    from hybridrl.parallel.expert_lockstep import width_agreement
+
+    rank = dist.get_rank()
+    groups = types.SimpleNamespace(ep=2, ep_group=dist.group.WORLD, device=VIRTUAL)
+    agree = width_agreement(groups)
+    widths = agree([(3 + rank, 9 - rank), (5, 2 + 2 * rank)])
+    try:
+        agree([(1, 1)] * (1 + rank))
+        mismatch = None
+    except RuntimeError as err:
+        mismatch = str(err)
+    return dict(widths=widths, mismatch=mismatch)
+
+
+def _both():
+    return _partial_rollout_flag(), _expert_widths()
+
+
+@pytest.mark.distributed
+def test_partial_rollout_flag_and_expert_widths_run_on_the_device():
+    """The partial-rollout flag is agreed on the rollout world's device and the leader reads the store every
+    4th decode step only; expert-parallel widths are agreed on the device (both were host tensors: nccl)."""
+    results = run_distributed(_both, 2, on_virtual_device=True, timeout=120)
+    for partial, _ in results:
+        assert partial["took"] == [8] and partial["version"] == 7 and partial["taken"] == 1
+    assert results[0][0]["reads"] == 3  # steps 4, 8, 12 of 12
+    for _, experts in results:
+        assert experts["widths"] == [(4, 9), (5, 4)]
+        assert "different numbers of micro-batches (1 to 2)" in experts["mismatch"]
