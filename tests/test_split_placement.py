@@ -160,6 +160,12 @@ BAD = [
     (SPLIT + ["placement.critic_world_size=1"], 3, "trains no critic"),
     (SPLIT + ["placement.critic_world_size=1", "algorithm.adv_estimator=gae", "critic.tensor_model_parallel_size=2"], 3,
      "is not divisible by critic.tensor_model_parallel_size"),
+    # streamed chunks differ by DP rank: no per-chunk collective over DP (it hung)
+    (SPLIT + ["placement.critic_world_size=1", "algorithm.adv_estimator=gae", "async_training.stream_prompts=1"], 4,
+     "stream_prompts > 0 at trainer dp=2: a critic of its own"),
+    (SPLIT + ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2",
+              "model.moe_intermediate_size=32", "parallel.expert_model_parallel_size=2",
+              "async_training.stream_prompts=1"], 3, "stream_prompts > 0 at trainer dp=2: parallel.expert_model"),
 ]
 
 

@@ -235,6 +235,19 @@ def split_ranks(cfg: Config, world_size: int) -> int:
     return k
 
 
+def check_streaming(cfg: Config, dp: int, ep: int) -> None:
+    """A streamed step passes each chunk forward as it arrives, and a DP rank receives the chunks of its own
+    prompts only (their number and timing differ by rank), so no per-chunk work may be collective over DP."""
+    if not cfg.async_training.stream_prompts or dp == 1:
+        return
+    for on, what in ((cfg.placement.critic_world_size > 0, "a critic of its own (placement.critic_world_size > 0) "
+                                                           "gathers each chunk's columns over the trainers' DP ranks"),
+                     (ep > 1, "parallel.expert_model_parallel_size > 1 forwards each chunk in lockstep with "
+                              "expert-parallel peers of other DP ranks")):
+        _require(not on, f"async_training.stream_prompts > 0 at trainer dp={dp}: {what}, but the DP ranks hold "
+                         "different chunks (a hang); set async_training.stream_prompts=0, or train at dp=1")
+
+
 def critic_sizes(cfg: Config, dims: ModelDims) -> tuple[int, int, int]:
     """(tp, pp, dp) of a critic on placement.critic_world_size ranks of its own; zeros without one."""
     c = cfg.placement.critic_world_size
@@ -258,6 +271,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     check_router_replay(cfg, dims)
     check_long_sequences(cfg)
     check_engine_dtype(cfg)
+    check_streaming(cfg, dp, ep)
     _require(ep == 1 or not cfg.placement.critic_world_size,
              "parallel.expert_model_parallel_size > 1 with placement.critic_world_size > 0 is not supported; "
              "train the critic with the actor (critic_world_size=0)")
