@@ -119,6 +119,17 @@ def test_disabled_timeline_records_nothing(tmp_path):
     assert gather_and_write(tl, str(tmp_path / "t.json")) == [] and not (tmp_path / "t.json").exists()
 
 
+def test_trim_keeps_what_ends_in_the_window():
+    """Split placement keeps a timeline only for the latest step's overlap: older spans and marks are dropped."""
+    tl = Timeline(0, "trainer")
+    for i in range(5):
+        tl.add("gen", T + i, T + i + 1.5)
+    tl.mark("sync")  # now: after the window's start
+    tl.marks.insert(0, ("old", T))
+    tl.trim(T + 4)
+    assert tl.spans == [("gen", T + 3, T + 4.5), ("gen", T + 4, T + 5.5)] and [m[0] for m in tl.marks] == ["sync"]
+
+
 def _record_and_gather(path):
     import torch.distributed as dist
 

@@ -70,6 +70,12 @@ class Timeline:
         self.spans.clear()
         self.marks.clear()
 
+    def trim(self, before: float) -> None:
+        """Forget spans that ended and marks made before `before` (this clock's seconds): a run that keeps
+        a timeline only to measure its latest step must not grow it step after step."""
+        self.spans[:] = [s for s in self.spans if s[2] >= before]
+        self.marks[:] = [m for m in self.marks if m[1] >= before]
+
     def events(self) -> List[dict]:
         """Trace Event Format: complete ("X") and instant ("i") events in microseconds, and the track's name."""
         if not self.enabled:

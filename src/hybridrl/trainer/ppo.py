@@ -142,6 +142,9 @@ class PPOTrainer:
             if self.last_window is not None:
                 metrics["perf/overlap"] = step_overlap(self.timeline, self.remote.client.spans, self.last_window)
             self.last_window = (self.timeline.at(step_start), self.timeline.at(step_start + t.seconds["step"]))
+            if not cfg.trainer.timeline_dir:  # kept for the next step's overlap only: what it reads
+                self.timeline.trim(self.last_window[0])
+                self.remote.client.trim_spans(self.last_window[0])
         metrics.update(t.metrics())
         return metrics
 
@@ -395,7 +398,8 @@ class PPOTrainer:
         from hybridrl.placement.reshard import update_engine_weights
 
         if self.remote is not None:
-            return self.remote.updated(self.actor.engine.module, self.version, now=now)
+            return self.remote.updated(self.actor.engine.module, self.version, now=now,
+                                       onload=lambda: self.hybrid.enter("update_weights"))
         self.hybrid.enter("update_weights")
         r = self.cfg.rollout
         return update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,

@@ -121,6 +121,10 @@ class RolloutClient:
             if msg["last"]:
                 return
 
+    def trim_spans(self, before: float) -> None:
+        """Forget the rollout ranks' spans that ended before `before` (seconds since the epoch)."""
+        self.spans = [s for s in self.spans if s[3] >= before]
+
     def take_wait(self) -> float:
         """Seconds spent waiting for answers since the last call."""
         wait, self.wait_s = self.wait_s, 0.0
@@ -386,14 +390,17 @@ class Pipeline:
         self.client.submit(ids, seeds, sampling, key)
         self.owed_key = key
 
-    def updated(self, model, version: int, now: bool = False) -> dict:
+    def updated(self, model, version: int, now: bool = False, onload=None) -> dict:
         """New weights after an update: sent now (s = 0, or `now`), else when the batch in flight is in;
-        with partial rollout, into the generation in flight when it is still running."""
-        self.pending = (model, version)
+        with partial rollout, into the generation in flight when it is still running. `onload()` puts the
+        parameters back on the device right before they are read: a deferred send comes after other
+        phases (reward model, reference, a streamed pass), which may have offloaded them (storage freed)."""
+        self.pending = (model, version, onload)
         if now or self.staleness == 0 or self.owed_key is None:
             return self.flush()
         if self.partial and self.client.claim_generation():
             self.pending = None
+            _onload(onload)
             return self.client.send_weights(model, version)
         return {}
 
@@ -401,8 +408,9 @@ class Pipeline:
         if self.pending is None:
             return {}
         self.drain()
-        model, version = self.pending
+        model, version, onload = self.pending
         self.pending = None
+        _onload(onload)
         return self.client.sync(model, version)
 
     def drain(self) -> None:
@@ -445,6 +453,11 @@ class Pipeline:
         self.drain()
         self.client.stop()
         self.client.control = None
+
+
+def _onload(onload) -> None:
+    if onload is not None:
+        onload()
 
 
 def rollout_events(spans: list) -> list:
