@@ -104,11 +104,14 @@ def test_split_synchronous_equals_colocated(gae_colocated, gae_split, tmp_path):
 def test_streamed_chunks_give_the_whole_batch_step(tmp_path):
     """PPO at s = 1 with chunks of one prompt: reward, old/ref log-probs and values run per chunk as it
     arrives; the metrics equal the unstreamed s = 1 run (at s = 0 the synchronous test compares a streamed
-    run with colocated)."""
+    run with colocated). The actor's parameters are offloaded while the reference passes, so the deferred
+    weight send that follows them must bring them back first (it read freed storage)."""
     common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.total_training_steps=3",
-              "trainer.timeline_dir=" + str(tmp_path / "timeline")] + SPLIT
+              "actor.offload.params=true", "trainer.timeline_dir=" + str(tmp_path / "timeline")] + SPLIT
     _torchrun(tmp_path / "whole", 2, common + ["async_training.staleness_threshold=1"])
-    _torchrun(tmp_path / "streamed", 2, common + ["async_training.staleness_threshold=1", "async_training.stream_prompts=1"])
+    proc = _torchrun(tmp_path / "streamed", 2, common + ["async_training.staleness_threshold=1",
+                                                         "async_training.stream_prompts=1"])
+    assert "failed to bind" not in proc.stderr + proc.stdout  # rank 0 hosted the store torchrun's agent hosts
     _assert_same_run(read_scalars(tmp_path / "whole"), read_scalars(tmp_path / "streamed"), (1, 2, 3))
     from hybridrl.timeline import read_trace
 
@@ -285,10 +288,17 @@ def test_resume_at_staleness_one_is_bit_exact(grpo_one_step_off, tmp_path):
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()
     assert (tmp_path / "cut" / "ckpt" / "global_step_3" / "in_flight.pt").exists()
-    _torchrun(tmp_path / "cut", 2, common + ["trainer.total_training_steps=6"])
+    _torchrun(tmp_path / "cut", 2, common + ["trainer.total_training_steps=6", f"trainer.timeline_dir={tmp_path}/tl"])
     full, cut = read_scalars(grpo_one_step_off), read_scalars(tmp_path / "cut")
     _assert_same_run(full, cut, (4, 5, 6), rel=0.0)
     assert cut["rollout/staleness/mean"][4] == 1.0
+    from hybridrl.timeline import read_trace
+
+    # the resumed weights once (they went twice: the initial ones first), then update 4's before batch 6 is
+    # asked for, and update 6's at the end (update 5's is replaced by 6's while batch 6 is in flight)
+    received = [e for e in read_trace(str(tmp_path / "tl" / "timeline.json"))
+                if e["ph"] == "X" and e["cat"] == "rollout" and e["name"] == "update_weights"]
+    assert len(received) == 3, received
 
 
 def _resume_from(checkpoint, tmp):

@@ -14,6 +14,7 @@ This module only creates groups and moves bytes; it knows nothing of models, eng
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,7 +67,10 @@ def init_split_world(le, rollout_world_size: int, timeout_s: int = 600, critic_w
     export_launch_env(le)
     cpu_compat.apply()
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(le.master_addr, le.master_port, le.world_size, le.rank == 0, timeout)
+    # under torchrun its agent already hosts the store on MASTER_PORT: rank 0 only connects (binding again
+    # failed, and c10d logged an [E] line at every start)
+    host = le.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(le.master_addr, le.master_port, le.world_size, host, timeout)
     world = SplitWorld(le.rank, le.world_size, rollout_world_size, store, timeout, critic_world_size)
     mine = world.ranks_of(world.role)
     first, size = mine[0], len(mine)

@@ -205,13 +205,14 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         roles.critic = RemoteCritic(world, groups, roles.hf_folder, total)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer, remote)
     saver = CheckpointWriter(ckpt, tc.async_save)
-    trainer.sync_rollout_weights()
     if dry_run:
+        trainer.sync_rollout_weights()
         code = _dry_run(trainer, train_loader, layout, cfg)
         if layout.critic_world_size:
             roles.critic.stop()
         return code
     start = _resume(trainer, resume_from, train_loader)
+    trainer.sync_rollout_weights()  # the starting weights, fresh or resumed: sent once
     val_history = []  # (step, validation metrics) of every validation, for the closing trend
     if val_loader is not None and tc.val_before_train and start == 0:
         val_history.append((0, trainer.validate(val_loader)))
@@ -356,7 +357,6 @@ def _resume(trainer, path, loader) -> int:
         with naming_damage(path, IN_FLIGHT, path=in_flight):
             batch = torch.load(in_flight, weights_only=False)
         trainer.remote.restore(batch)  # generated one version behind
-    trainer.sync_rollout_weights()
     print0(f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
 
