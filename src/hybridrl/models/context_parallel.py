@@ -109,7 +109,7 @@ def _lower_right_kernel(query, key, value, dropout_p: float) -> str:
     q, k, v = (t[:1].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # one token: shapes and dtypes
     gqa = k.shape[1] != q.shape[1]
     params = SDPAParams(q, k, v, None, dropout_p, False, gqa)
-    if can_use_flash_attention(params) or can_use_efficient_attention(params):
+    if can_use_flash_attention(params) or (not gqa and can_use_efficient_attention(params)):
         return "fused"
     if gqa:
         repeat = q.shape[1] // k.shape[1]
