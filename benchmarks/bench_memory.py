@@ -9,7 +9,8 @@ Planned: `hybridrl.planner.plan.estimate` for each configs/*.yaml at its intende
 two-copy = max over phases of (phase without rollout/* items, offload off) + inference bytes.
 Measured: two real GRPO steps of the bench model on CPU (`memory_meter`); at each phase (rollout,
 actor log-prob, actor update, weight sync) the bytes of the storages a GPU would hold plus the
-phase's new allocations, with offload on (hybrid) and off (two-copy). The planner is run on the
+phase's new allocations, with offload on (hybrid: the engine reading the actor's weights, and with
+rollout.share_weights=false its own copy) and off (two-copy, a copy). The planner is run on the
 same config, at the prompt width the batch had (prompts are padded to the longest of the batch),
 without its fixed runtime overhead, and each phase is compared with the measured one (target:
 within 10%).
@@ -90,36 +91,43 @@ def bench_overrides() -> list:
             "trainer.progress_bar=false"] + BATCH
 
 
-def _measure(offload: bool) -> dict:
+MODES = {"hybrid": (True, True), "hybrid_copy": (True, False), "two_copy": (False, False)}
+"""measured layout -> (offload, rollout.share_weights): the hybrid engine as configured (the engine reads the
+actor's weights: TP 1 = rollout TP 1), the same with the engine's own copy, and the two-copy yardstick."""
+
+
+def _measure(offload: bool, share: bool) -> dict:
     import torch
 
     from memory_meter import run_steps
 
     torch.set_num_threads(2)
-    return run_steps(TINY, bench_overrides(), offload)
+    return run_steps(TINY, bench_overrides(), offload, share=share)
 
 
 def measured() -> dict:
     from dist_helper import run_distributed
 
     out = {}
-    for mode in ("hybrid", "two_copy"):
+    for mode, (offload, share) in MODES.items():
         at = bl.sample()
-        out[mode] = dict(run_distributed(_measure, 1, mode == "hybrid", timeout=900)[0], samples=[at, bl.sample()])
+        out[mode] = dict(run_distributed(_measure, 1, offload, share, timeout=900)[0], samples=[at, bl.sample()])
     return out
 
 
-def _flags(offload: bool) -> list:
+def _flags(offload: bool, share: bool) -> list:
     on = str(offload).lower()
-    return [f"actor.offload.{k}={on}" for k in ("params", "grads", "optimizer")] + [f"rollout.free_cache_engine={on}"]
+    return [f"actor.offload.{k}={on}" for k in ("params", "grads", "optimizer")] + [
+        f"rollout.free_cache_engine={on}", f"rollout.share_weights={str(share).lower()}"]
 
 
-def planned_phases(run: dict, offload: bool) -> dict:
+def planned_phases(run: dict, offload: bool, share: bool) -> dict:
     """{phase: planned bytes without the runtime overhead} for the bench config at the run's prompt width."""
     from hybridrl.config.io import load_config
     from hybridrl.planner.plan import RUNTIME_OVERHEAD_GIB, estimate
 
-    cfg = load_config(TINY, bench_overrides() + _flags(offload) + [f"data.max_prompt_length={run['prompt_width']}"])
+    cfg = load_config(TINY, bench_overrides() + _flags(offload, share)
+                      + [f"data.max_prompt_length={run['prompt_width']}"])
     return {p.name: p.total - RUNTIME_OVERHEAD_GIB * GIB for p in estimate(cfg, 1, bl.BENCH_MODEL["vocab_size"]).phases}
 
 
@@ -148,14 +156,19 @@ def report(plan_rows, meas: dict) -> tuple:
     f_peak, f_phase = _peak(flat)
     held_peak, held_phase = _peak(flat, lambda n: 0 if n == "rollout" else kv)  # KV held as a vLLM pool would
     ratio = h_peak / held_peak
-    h_rows, h_err = _phase_rows(meas["hybrid"], planned_phases(meas["hybrid"], True), "hybrid")
-    f_rows, f_err = _phase_rows(meas["two_copy"], planned_phases(meas["two_copy"], False), "two-copy")
-    worst = max(h_err, f_err)
+    h_rows, h_err = _phase_rows(meas["hybrid"], planned_phases(meas["hybrid"], True, True), "hybrid (shared)")
+    c_rows, c_err = _phase_rows(meas["hybrid_copy"], planned_phases(meas["hybrid_copy"], True, False),
+                                "hybrid (engine copy)")
+    f_rows, f_err = _phase_rows(meas["two_copy"], planned_phases(meas["two_copy"], False, False), "two-copy")
+    worst = max(h_err, c_err, f_err)
+    copied = meas["hybrid_copy"]["phases"]
+    c_peak, c_phase = _peak(copied)
+    sync_saved = copied["weight sync"]["total"] - hybrid["weight sync"]["total"]
     gpu = [r for r in plan_rows if not r[0].startswith("tiny_cpu")]
     ratio_of = lambda r: float(r[7].split("**")[1])  # noqa: E731
     worst_gpu = max(gpu, key=ratio_of)
     gpu_verdict = "met (planned, not measured)" if ratio_of(worst_gpu) <= 0.55 else "missed (planned, not measured)"
-    samples = meas["hybrid"]["samples"] + meas["two_copy"]["samples"]
+    samples = meas["hybrid"]["samples"] + meas["hybrid_copy"]["samples"] + meas["two_copy"]["samples"]
     text = ("## Memory: hybrid engine vs a two-copy layout\n\n"
             "Planned per-GPU peak (GiB, `hybridrl.planner.plan.estimate`, each config at its `# launch` world size "
             "(a CPU demo at its torchrun process count); "
@@ -172,9 +185,12 @@ def report(plan_rows, meas: dict) -> tuple:
             "same config and prompt width (without its fixed 2 GiB runtime overhead):\n\n"
             + bl.table(["layout", "phase", "actor weights", "actor grads", "actor Adam", "engine weights",
                         "phase allocations", "measured total", "planned", "planned vs measured"] + bl.STAMP_HEADER,
-                       h_rows + f_rows)
+                       h_rows + c_rows + f_rows)
             + f"\n\nPlanned vs measured per phase, offload on and off: worst {worst:.1%} "
             f"({'met' if worst <= 0.10 else 'missed'}, target within 10%).\n\n"
+            f"Shared weights (the engine reads the actor's tensors, TP 1 = rollout TP 1): hybrid peak "
+            f"{h_peak / MIB:.2f} MiB ({h_phase}) against {c_peak / MIB:.2f} MiB ({c_phase}) with the engine's own "
+            f"copy; the weight sync holds {sync_saved / MIB:.2f} MiB less (one weight copy, no bucket).\n\n"
             f"Measured peak: hybrid {h_peak / MIB:.2f} MiB ({h_phase}); two-copy with the engine's KV cache and "
             f"working set ({kv / MIB:.2f} MiB) held through training {held_peak / MIB:.2f} MiB ({held_phase}): "
             f"**{ratio:.2f}x**; against two-copy as run here (KV freed after each rollout) {f_peak / MIB:.2f} MiB "

@@ -24,7 +24,7 @@ PHASES = {"rollout": "generate", "actor log-prob": "compute_log_prob", "actor up
 def resident(trainer) -> dict:
     """{"actor/weights"|"actor/grads"|"actor/optimizer"|"rollout/engine_weights": bytes on the device}."""
     out = {f"actor/{STATE_KINDS[part]}": n for part, n in trainer.hybrid.offloaders["actor"].device_bytes().items()}
-    out["rollout/engine_weights"] = sum(p.untyped_storage().nbytes() for p in trainer.rollout.params.values())
+    out["rollout/engine_weights"] = trainer.rollout.own_weight_bytes()  # 0 where it reads the actor's
     return out
 
 
@@ -49,11 +49,12 @@ class PhaseMeter:
         return measured
 
 
-def run_steps(config_path: str, overrides: list, offload: bool, steps: int = 2) -> dict:
+def run_steps(config_path: str, overrides: list, offload: bool, steps: int = 2, share: bool = True) -> dict:
     """Build the roles and trainer of a config (world 1), run `steps` steps, meter the last one.
 
     offload: the hybrid engine as on a GPU (actor state offloaded while idle, engine weights moved
-    off the device while asleep); otherwise everything stays resident (two-copy layout). Returns
+    off the device while asleep); otherwise everything stays resident (two-copy layout). share:
+    rollout.share_weights (the engine reads the actor's weights where the layouts allow). Returns
     {"phases": PhaseMeter.phases, "prompt_width": the padded prompt length of the last batch}.
     """
     from hybridrl.config.io import load_config
@@ -64,7 +65,7 @@ def run_steps(config_path: str, overrides: list, offload: bool, steps: int = 2) 
 
     flags = "true" if offload else "false"
     cfg = load_config(config_path, overrides + [f"actor.offload.{k}={flags}" for k in ("params", "grads", "optimizer")]
-                      + [f"rollout.free_cache_engine={flags}"])
+                      + [f"rollout.free_cache_engine={flags}", f"rollout.share_weights={str(share).lower()}"])
     _, tokenizer, layout, groups, loader, _ = setup_run(cfg)
     roles = build_roles(cfg, groups, tokenizer, steps)
     trainer = PPOTrainer(cfg, layout, groups, tokenizer, roles, RewardManager(cfg.reward), writer=None)

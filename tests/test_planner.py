@@ -256,7 +256,7 @@ def test_native_kv_cache_counts_the_engine_slots():
 PHASE_CALLS = {"rollout": ("rollout", "generate"), "actor log-prob": ("actor", "compute_log_prob"),
                "ref log-prob": ("ref", "compute_log_prob"), "critic values": ("critic", "compute_values"),
                "critic update": ("critic", "update_critic"), "actor update": ("actor", "update_policy"),
-               "weight sync": ("rollout", "load_shards")}
+               "weight sync": ("rollout", "share_shards")}
 """The call each planner phase is measured in: the trainer has entered the phase when it runs."""
 
 
@@ -287,7 +287,7 @@ def _held_per_phase(offload: bool) -> tuple:
 
     def now() -> dict:
         out = {f"{k.split('/')[0]}/{STATE_KINDS[k.split('/')[1]]}": n for k, n in trainer.hybrid.device_bytes().items()}
-        out["rollout/engine_weights"] = sum(p.untyped_storage().nbytes() for p in trainer.rollout.params.values())
+        out["rollout/engine_weights"] = trainer.rollout.own_weight_bytes()  # none: it reads the actor's
         return out
 
     def measure(phase, fn):
@@ -321,7 +321,9 @@ def test_planned_states_are_what_the_trainer_holds_in_each_phase(offload):
             assert phase.bytes(consumer) == pytest.approx(measured, rel=0.01, abs=1024), (phase.name, consumer)
     if offload:  # grads and Adam states idle off the device outside the updates, the sync included
         assert held["weight sync"]["actor/grads"] == held["actor log-prob"]["actor/optimizer"] == 0
-        assert held["weight sync"]["actor/weights"] > 0 and held["weight sync"]["rollout/engine_weights"] > 0
+        assert held["weight sync"]["actor/weights"] > 0 and held["rollout"]["actor/weights"] > 0
+    # TP 1 = rollout TP 1: the engine reads the actor's weights, kept on the device while it generates
+    assert held["weight sync"]["rollout/engine_weights"] == held["rollout"]["rollout/engine_weights"] == 0
 
 
 def test_no_values_phase_where_the_critic_update_gives_the_values():

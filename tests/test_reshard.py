@@ -194,14 +194,15 @@ def _direct_handoff(folder) -> dict:
     model, spec = model_from_hf(folder, groups)
     export = {n: t.clone() for n, t in mcore_to_hf_stream(model, spec, groups)}
     engine = _faulty_engine_class()(spec, 2)
-    report = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, measure_memory=True)
+    # share=False: the copy path (the shared one is tests/test_shared_weights.py's)
+    report = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, measure_memory=True, share=False)
     expected = _expected_shards(export, spec, 2, engine.groups.tp_rank)
     training = reshard.weight_state(model)
     out = {"report": report, "bit_exact": all(torch.equal(engine.params[g], t) for g, t in expected.items()),
            "own_storage": all(engine.params[g].data_ptr() != training[g].data_ptr() for g in expected)}
     engine.fault, engine.victim = "bit_flip", "decoder.layers.1.mlp.linear_fc2.weight"
     try:
-        reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+        reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, share=False)
         out["bit_flip_error"] = None
     except reshard.HandoffError as e:
         out["bit_flip_error"] = str(e)

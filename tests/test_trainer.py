@@ -86,8 +86,9 @@ def test_remax_baseline_is_the_greedy_score(tmp_path):
 SAME_MATH = ("actor.use_kl_loss=true", "model.tie_word_embeddings=false")
 # The reference runs also set the weight-sync keys no other run sets (rollout.verify_weights,
 # rollout.update_weights_bucket_mb); the handoffs they asked for are recorded.
-HANDOFF = {"grpo": ["rollout.verify_weights=exact", "rollout.update_weights_bucket_mb=3"],
-           "gae": ["rollout.verify_weights=off"]}
+HANDOFF = {"grpo": ["rollout.verify_weights=exact", "rollout.update_weights_bucket_mb=3",
+                    "rollout.share_weights=false"],  # the copy path: what verify_weights checks
+           "gae": ["rollout.verify_weights=off", "rollout.share_weights=false"]}
 FIRST_STEP = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
               "critic/score/mean", "critic/advantages/mean", "critic/returns/mean", "response_length/mean")
 _single = {}

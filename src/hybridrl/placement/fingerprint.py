@@ -22,6 +22,8 @@ class Stored:
     """(dim, start, stop) of the HF tensor this rank stores; None: all of it."""
     digest: object
     """`weight_digest` of the stored slice: a 0-d int64 tensor on its device, or a hex string (exact)."""
+    dtype: torch.dtype | None = None
+    """The dtype it is stored in, where that may differ from the one sent (None: the one sent)."""
 
 
 def hf_region(t: torch.Tensor, region: tuple | None) -> torch.Tensor:

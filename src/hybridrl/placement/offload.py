@@ -232,13 +232,25 @@ the weight sync holds the actor's weights (not its grads and Adam states) beside
 
 
 class PhaseOffload:
-    """Moves each role's state to where `HYBRID_PHASES` wants it as the trainer enters a phase."""
+    """Moves each role's state to where `HYBRID_PHASES` wants it as the trainer enters a phase.
+
+    `engine_reads`: roles whose params the rollout engine reads as its own weights (shared, not
+    copied): generation needs them on the device, so the "gen" phase keeps them there. Offload and
+    onload keep each storage object (resized, not replaced), so the engine's aliases stay valid."""
 
     def __init__(self, offloaders: dict):
         self.offloaders = {role: o for role, o in offloaders.items() if o is not None}
+        self.engine_reads: set = set()
+
+    def needs(self, phase: str) -> dict:
+        """{role: parts on the device} in `phase`."""
+        needs = dict(HYBRID_PHASES[phase])
+        if phase == "gen":
+            needs.update({role: tuple(dict.fromkeys(needs.get(role, ()) + ("params",))) for role in self.engine_reads})
+        return needs
 
     def enter(self, phase: str) -> None:
-        needs = HYBRID_PHASES[phase]
+        needs = self.needs(phase)
         for role, offloader in self.offloaders.items():
             offloader.place(needs.get(role, ()))
 

@@ -6,12 +6,14 @@ yielded when the next tensor would overflow them, so at most one bucket plus the
 tensor is alive (a reused bucket buffer and one scratch tensor), and the check's digests and reductions. `update_engine_weights` streams the
 buckets into `engine.load_weights`, or, where rollout TP equals training TP at PP 1, the shards
 straight into `engine.load_shards`; the engine reads back digests of the slices it stored, which
-are checked against the sender's digests of the same slices (the verified handoff).
+are checked against the sender's digests of the same slices (the verified handoff). Where the engine
+also lives on the training tensors' device (colocated), it reads those tensors themselves
+(`engine.share_shards`): no copy, and the handoff checks identity (same storage, same version).
 `new_rollout_groups` makes the rollout-TP process groups and `join_requests` pools the prompts of
 one rollout-TP group.
 Every rank of the training model replica must run the stream in lockstep (it is collective). This
 module must not know any engine's internals: the engine sees (hf_name, tensor) pairs, or its own
-shards by megatron name when it offers `shard_layout` / `load_shards`.
+shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards`.
 """
 from __future__ import annotations
 
@@ -294,6 +296,9 @@ class HandoffReport:
     """Shards went straight into the engine's parameters (training TP == rollout TP, PP 1)."""
     verify_bytes: int = 0
     """Most the check allocates beside the bucket and the scratch (`verify_bytes`); 0 with verify off."""
+    shared: bool = False
+    """The engine reads the training tensors themselves (`shares_weights`): nothing copied (total_bytes 0),
+    identity checked (verify "identity")."""
 
     @property
     def verified(self) -> bool:
@@ -360,6 +365,12 @@ def _received(names, received: dict) -> None:
             raise HandoffError(f"engine did not report tensor {name!r}: it was sent but not stored")
 
 
+def _as_stored(t: torch.Tensor, dtype) -> torch.Tensor:
+    """What an engine that stores dtype `dtype` (None: the one sent) holds of t: the same rounding as its
+    copy (a converted copy only where the dtypes differ)."""
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     to_mcore = hc.mcore_to_hf_name_map(spec)
@@ -368,7 +379,8 @@ def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verif
         if verify != "off":
             names = [n for n, _ in bucket]
             _received(names, received)
-            ours = [weight_digest(hf_region(t, received[n].region), verify) for n, t in bucket]
+            ours = [weight_digest(_as_stored(hf_region(t, received[n].region), received[n].dtype), verify)
+                    for n, t in bucket]
             _check(names, ours, received, verify)
         n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
         total += sum(t.nbytes for _, t in bucket)
@@ -398,6 +410,48 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     return n_tensors, n_buckets, total, max_bucket
 
 
+def _share(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
+    """The engine adopts this rank's training tensors (first handoff) or shows the ones it holds; each
+    must be the training tensor itself: the same storage (not a copy at an equal address: the storage
+    object, which survives offload / onload), offset, shape, stride and dtype, and the same version
+    counter (an alias of the parameter, so every in-place update is seen). No byte is read."""
+    local = weight_state(model)
+    shards = [(g, local[g].detach()) for _, g in hc.stage_names(spec, 1, 0)]
+    held = engine.share_shards(shards)
+    if verify != "off":
+        for name, sent in shards:
+            if name not in held:
+                raise HandoffError(f"engine did not report tensor {name!r}: it was shared but not adopted")
+            adopted, param = held[name]
+            _check_identity(name, sent, adopted, param)
+    return len(shards), 0, 0, 0
+
+
+def _check_identity(name: str, sent: torch.Tensor, adopted: torch.Tensor, param: torch.Tensor) -> None:
+    def where(t):
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+    storage = sent.untyped_storage()
+    if param.untyped_storage() is not storage or adopted.untyped_storage() is not storage \
+            or where(param) != where(sent) or where(adopted) != where(sent):
+        raise HandoffError(
+            f"the engine reads {name!r} at (storage, offset, shape, stride, dtype) {where(param)}, the training "
+            f"parameter is at {where(sent)}: the parameter was replaced, not updated in place (its views in the "
+            f"engine are stale); call engine.release_shared() after replacing parameters")
+    if adopted._version != sent._version:
+        raise HandoffError(f"the engine's alias of {name!r} is at version {adopted._version}, the training "
+                           f"parameter at {sent._version}: the same storage, but not the same tensor; call "
+                           f"engine.release_shared() after replacing parameters")
+
+
+def shares_weights(engine, model, groups) -> bool:
+    """The engine can read this rank's training tensors themselves: it offers `share_shards`, takes
+    them as they are (`takes_shards`: same TP layout and dtype, PP 1, EP 1) and lives on their device."""
+    sample = next(iter(weight_state(model).values()))
+    return (hasattr(engine, "share_shards") and getattr(engine, "device", None) == sample.device
+            and takes_shards(engine, model, groups))
+
+
 def takes_shards(engine, model, groups) -> bool:
     """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1, EP 1."""
     layout = getattr(engine, "shard_layout", None)
@@ -406,10 +460,13 @@ def takes_shards(engine, model, groups) -> bool:
 
 
 def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float = 64,
-                          verify: str = "fingerprint", measure_memory: bool = False) -> HandoffReport:
+                          verify: str = "fingerprint", measure_memory: bool = False,
+                          share: bool = True) -> HandoffReport:
     """Stream the training model into the engine; check what it stored against what was sent.
 
-    Where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
+    Where the engine can read this rank's training tensors themselves (`shares_weights`, and `share`),
+    it does: nothing is copied and the check is one of identity (`_share`), not of bytes.
+    Else, where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
     into its parameters (no gather, no bucket); otherwise buckets of HF tensors go to
     `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
     compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
@@ -427,8 +484,9 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     if cuda and measure_memory:
         torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated()
-    direct = takes_shards(engine, model, groups)
-    send = _send_shards if direct else _send_buckets
+    shared = share and shares_weights(engine, model, groups)
+    direct = shared or takes_shards(engine, model, groups)
+    send = _share if shared else _send_shards if direct else _send_buckets
     start = time.perf_counter()
     with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
         n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
@@ -438,6 +496,7 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     dtype = next(iter(weight_state(model).values())).dtype
     largest = max(_full_bytes(g, spec, groups.tp, dtype) for g in hc.hf_to_mcore_name_map(spec))
     cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if cuda and measure_memory else 0
+    shown = "identity" if shared and verify != "off" else verify
     return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest,
-                         meter.peak if measure_memory else None, cuda_peak, seconds, verify, direct,
-                         verify_bytes(spec, groups.tp, dtype, verify))
+                         meter.peak if measure_memory else None, cuda_peak, seconds, shown, direct,
+                         0 if shared else verify_bytes(spec, groups.tp, dtype, verify), shared)

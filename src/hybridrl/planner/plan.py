@@ -193,12 +193,22 @@ def _roles(ctx: _Ctx) -> dict:
     return roles
 
 
+def shares_weights(cfg: Config, layout: Layout) -> bool:
+    """The native engine reads the actor's own weights (`reshard.shares_weights`): colocated, rollout TP =
+    TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype)."""
+    return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
+            and layout.rollout_tp == layout.tp and layout.pp == 1 and layout.ep == 1)
+
+
 def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
     """What each role holds on the GPU in trainer phase `phase`: the parts `offload.HYBRID_PHASES`
-    needs there, plus every part its offload flags leave on the device (frozen roles have weights only)."""
+    needs there (with shared weights, generation needs the actor's), plus every part its offload flags
+    leave on the device (frozen roles have weights only)."""
     items = []
     for role, (offload, critic) in _roles(ctx).items():
         needed = HYBRID_PHASES[phase].get(role, ())
+        if phase == "gen" and role == "actor" and shares_weights(ctx.cfg, ctx.layout):
+            needed = needed + ("params",)
         if role == "reward_model":
             states = {"weights": _reward_model_weights(ctx, stage)}
         else:
@@ -210,8 +220,13 @@ def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
 
 
 def _engine_weights(ctx: _Ctx) -> float:
-    """The rollout engine's own weight copy on one GPU: all layers at rollout TP, PP 1 (the native
-    engine is a megatron model with its padded vocabulary; vLLM's padding to 64 rows is negligible)."""
+    """The rollout engine's own weight copy on one GPU; none where it reads the actor's (`shares_weights`)."""
+    return 0.0 if shares_weights(ctx.cfg, ctx.layout) else _engine_copy(ctx)
+
+
+def _engine_copy(ctx: _Ctx) -> float:
+    """A copy of the weights at rollout TP: all layers, PP 1 (the native engine is a megatron model
+    with its padded vocabulary; vLLM's padding to 64 rows is negligible)."""
     rtp, e = ctx.layout.rollout_tp, mem.BYTES_PER_ELEMENT[ctx.dtype]
     if ctx.cfg.rollout.name == "native":
         return mem.stage_params(ctx.arch, rtp, 1, 0) * e
@@ -240,7 +255,7 @@ def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
     items = _base(ctx, stage, "gen")
     if cfg.rollout.name == "vllm":
         items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
-    else:  # the native engine holds its own copy (all layers, rollout TP, PP 1) and a KV cache of its slots
+    else:  # the native engine's weights (all layers, rollout TP, PP 1; none when shared) and a KV cache of its slots
         items.append(("rollout/engine_weights", _engine_weights(ctx)))
         kv = mem.kv_bytes_per_token(ctx.arch, lay.rollout_tp, 1, ctx.dtype) * ctx.seq
         items.append(("rollout/kv_cache", kv * _native_slots(ctx)))
@@ -258,7 +273,7 @@ def _weight_sync_phase(ctx: _Ctx, stage: int) -> Phase:
     direct = cfg.rollout.name == "native" and lay.rollout_tp == lay.tp and lay.pp == 1
     if not direct:
         largest = mem.largest_tensor_params(ctx.arch, lay.tp) * mem.BYTES_PER_ELEMENT[ctx.dtype]
-        bucket = min(cfg.rollout.update_weights_bucket_mb * 2 ** 20, _engine_weights(ctx) * lay.rollout_tp)
+        bucket = min(cfg.rollout.update_weights_bucket_mb * 2 ** 20, _engine_copy(ctx) * lay.rollout_tp)
         items.append(("rollout/weight_sync_buffers", bucket + largest))
     return Phase("weight sync", stage, tuple(items))
 
@@ -377,6 +392,10 @@ def _notes(ctx: _Ctx, gpus_per_node: int, kv: KVCache) -> Tuple[str, ...]:
     if lay.tp > gpus_per_node or lay.rollout_tp > gpus_per_node:
         notes.append(f"TP groups span nodes (tp={lay.tp}, rollout tp={lay.rollout_tp}, {gpus_per_node} GPUs "
                      f"per node): TP all-reduces would cross the network; keep TP within a node")
+    if shares_weights(ctx.cfg, lay):
+        notes.append(f"the native engine reads the actor's own weights (rollout tp = tp = {lay.tp}, pp 1): no "
+                     f"engine copy ({_engine_copy(ctx) / GIB:.2f} GiB saved), generation keeps the actor's "
+                     f"weights on the GPU")
     if 1 <= kv.sequences < kv.sequences_needed:
         notes.append(f"the KV cache holds {kv.sequences} of the {kv.sequences_needed} sequences each engine "
                      f"generates per step: generation runs in waves (raise rollout.gpu_memory_utilization "
@@ -384,15 +403,20 @@ def _notes(ctx: _Ctx, gpus_per_node: int, kv: KVCache) -> Tuple[str, ...]:
     return tuple(notes)
 
 
-def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int = 0) -> Plan:
-    """The plan without the fit check (derive_layout's checks still apply)."""
+def _context(cfg: Config, world_size: int, vocab_size: int) -> _Ctx:
     layout = derive_layout(cfg, world_size, vocab_size, allow_missing_path=True)
     arch = mem.arch_from_model_config(cfg.model, vocab_size)
-    ctx = _Ctx(cfg, arch, layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
-               cfg.model.params_dtype, cfg.parallel.gpu_memory_gb * GIB,
-               cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward, _reward_model_arch(cfg, arch),
-               mem.SeqSplit(layout.tp if cfg.parallel.sequence_parallel_at(layout.tp) else 1, layout.cp,
-                            cfg.model.use_remove_padding))
+    return _Ctx(cfg, arch, layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
+                cfg.model.params_dtype, cfg.parallel.gpu_memory_gb * GIB,
+                cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward, _reward_model_arch(cfg, arch),
+                mem.SeqSplit(layout.tp if cfg.parallel.sequence_parallel_at(layout.tp) else 1, layout.cp,
+                             cfg.model.use_remove_padding))
+
+
+def estimate(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int = 0) -> Plan:
+    """The plan without the fit check (derive_layout's checks still apply)."""
+    ctx = _context(cfg, world_size, vocab_size)
+    layout, arch = ctx.layout, ctx.arch
     stages = sorted({0, layout.pp - 1})
     by_name = {}
     for stage in stages:  # the first stage holds the most in-flight micro batches, the last the logits
@@ -411,13 +435,17 @@ def two_copy_peak(cfg: Config, world_size: int, vocab_size: int = 0) -> float:
     offload) plus a second inference copy held throughout (what the engine holds while generating:
     vLLM's pool, or the native engine's weights and KV cache). The yardstick of the hybrid engine."""
     off = OffloadConfig()
-    flat = estimate(dataclasses.replace(
+    flat_cfg = dataclasses.replace(
         cfg, actor=dataclasses.replace(cfg.actor, offload=off), critic=dataclasses.replace(cfg.critic, offload=off),
         ref=dataclasses.replace(cfg.ref, offload_params=False),
         reward_model=dataclasses.replace(cfg.reward_model, offload_params=False),
-        rollout=dataclasses.replace(cfg.rollout, free_cache_engine=False)), world_size, vocab_size)
+        rollout=dataclasses.replace(cfg.rollout, free_cache_engine=False))
+    flat = estimate(flat_cfg, world_size, vocab_size)
     training = max(p.total - p.bytes("rollout/") for p in flat.phases)
-    return training + flat.phase("rollout").bytes("rollout/")
+    copy = 0.0
+    if shares_weights(flat_cfg, flat.layout):  # the yardstick holds a second copy whatever this config shares
+        copy = _engine_copy(_context(flat_cfg, world_size, vocab_size))
+    return training + flat.phase("rollout").bytes("rollout/") + copy
 
 
 def plan(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int = 0) -> Plan:

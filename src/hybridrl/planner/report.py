@@ -51,7 +51,8 @@ def advice(consumer: str, phase: str, cfg: Config, moe: bool = False) -> str:
         if not cfg.rollout.free_cache_engine:
             fixes.insert(0, "set rollout.free_cache_engine=true")
     elif kind == "engine_weights":
-        fixes += ["raise rollout.tensor_model_parallel_size"]
+        fixes += ["set rollout.tensor_model_parallel_size equal to parallel.tensor_model_parallel_size at PP 1 "
+                  "(the native engine then reads the actor's weights: no copy)", "raise rollout.tensor_model_parallel_size"]
         fixes += [] if cfg.rollout.free_cache_engine else ["set rollout.free_cache_engine=true"]
     elif kind == "weight_sync_buffers":
         fixes += ["lower rollout.update_weights_bucket_mb", "set rollout.tensor_model_parallel_size equal to "

@@ -16,8 +16,9 @@ row-parallel partial sums share one all-reduce. A caller that passes `routes=[]`
 layer's chosen expert ids appended (megatron's `top_indices`, [tokens, topk]).
 
 Weights are read, never written: `LeanGPT` holds references to the model's parameters (filled by
-`NativeEngine.load_weights`), so it must be rebuilt after the parameters are replaced, not after
-their values change. No scheduling here (`continuous_batching.py`), no torch.distributed
+`NativeEngine.load_weights`, or aliases of the actor's own tensors after `NativeEngine.share_shards`),
+so it must be rebuilt after the parameters are replaced, not after their values change (the engine
+builds one per generate call). No scheduling here (`continuous_batching.py`), no torch.distributed
 (`parallel/tp_collectives.py`).
 """
 from __future__ import annotations

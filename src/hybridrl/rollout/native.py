@@ -3,7 +3,10 @@
 The engine owns a second GPTModel (pipeline size 1) laid out for the rollout TP, built on its own
 process groups (`reshard.new_rollout_groups`) through megatron-core's `ProcessGroupCollection`, so
 its TP is independent of the training TP held by megatron's global parallel_state. Its weights are
-filled only through `load_weights` (HF names, full tensors; each rank keeps its rollout-TP slice).
+filled through `load_weights` (HF names, full tensors; each rank keeps its rollout-TP slice) or
+`load_shards` (a trainer's shards at the same layout), both copies; or, at the same layout on the same
+device, `share_shards` makes its parameters aliases of the trainer's own tensors: no copy, no second
+copy in memory, and the optimizer's in-place updates are what the next generate reads.
 
 Generation has two paths over those same weights. The default, `decode="lean"`, is a per-layer
 decode over the model's own tensors (`lean_decode.py`) with continuous batching over
@@ -20,6 +23,7 @@ rollout TP as the dense MLP is); the lean path runs them eagerly (its expert loo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -118,18 +122,28 @@ class NativeEngine:
         names = [g for _, g in hc.stage_names(self.spec, 1, 0)]
         state = self.model.state_dict(keep_vars=True)
         self.params = {g: state[g] for g in names}
-        # where each HF tensor's slice lives inside the parameters (views, valid across sleep / wake)
-        self._slots = {hf: (g, view, region) for g in names for hf, view, region
-                       in hc.shard_parts(g, self.params[g], self.spec, self.groups.tp, self.groups.tp_rank)}
-        with torch.no_grad():
-            for g in names:  # megatron's vocab padding rows: zero, and no HF tensor covers them
-                if hc.is_vocab_tensor(g):
-                    self.params[g][self._slots[hc.hf_sources(g, self.spec)[0]][1].shape[0]:].zero_()
+        self._shared: dict[str, torch.Tensor] = {}
+        """name -> the trainer's tensor the parameter reads (`share_shards`); empty: the engine's own copy."""
+        self._alias = False
+        """The parameters alias storage that is not the engine's (shared now, or released and not reloaded)."""
+        self._bind_slots()
         self._loaded: set[str] = set()
         on_gpu = torch.cuda.is_available()
         self.offload_weights_on_sleep = on_gpu if offload_weights_on_sleep is None else offload_weights_on_sleep
         self._stash: TensorStash | None = None
         self._host_weights: list = []  # the host buffers of sleep, kept from one sleep to the next
+
+    def _bind_slots(self) -> None:
+        """Where each HF tensor's slice lives inside the parameters (views, valid across sleep / wake);
+        megatron's vocab padding rows zeroed in an own copy (no HF tensor covers them)."""
+        self._slots = {hf: (g, view, region) for g, p in self.params.items() for hf, view, region
+                       in hc.shard_parts(g, p, self.spec, self.groups.tp, self.groups.tp_rank)}
+        if self._shared:
+            return
+        with torch.no_grad():
+            for g, p in self.params.items():
+                if hc.is_vocab_tensor(g):
+                    p[self._slots[hc.hf_sources(g, self.spec)[0]][1].shape[0]:].zero_()
 
     def shard_layout(self) -> tuple:
         """(tp, tp_rank, dtype) of the parameters: a trainer with the same layout can `load_shards`."""
@@ -139,8 +153,10 @@ class NativeEngine:
         """Copy this rank's slice of each HF tensor straight into its place in the parameters.
 
         After the whole bucket, each slice is read back from the parameters and digested:
-        {hf_name: Stored(region, digest)}. A sleeping engine is woken first, without its old weights.
+        {hf_name: Stored(region, digest)}. A sleeping engine is woken first, without its old weights;
+        an engine that read a trainer's tensors (`share_shards`) gets its own copy back first.
         """
+        self._own_copy()
         self._wake_to_overwrite()
         placed = []
         for name, tensor in weights:
@@ -153,17 +169,90 @@ class NativeEngine:
     def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
         """Megatron tensors already at this engine's layout (`shard_layout`), by global name: copied
         whole into the parameters, then read back per HF tensor like `load_weights`."""
+        self._own_copy()
         self._wake_to_overwrite()
         placed = []
         for global_name, shard in shards:
-            self._copy_shard(global_name, shard)
-            placed += [(hf, shard.dim()) for hf in hc.hf_sources(global_name, self.spec)]
+            own = self._own_name(global_name)
+            self._copy_shard(own, shard)
+            placed += [(hf, shard.dim()) for hf in hc.hf_sources(own, self.spec)]
         return self._read_back(placed, verify)
 
+    # ---- shared weights: the trainer's own tensors, no copy ------------------------------------
+
+    def share_shards(self, shards: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Read a trainer's own tensors at this engine's layout (`shard_layout`, same device), by global
+        name: each parameter becomes an alias of that tensor's storage - no copy, and the engine's own
+        copy is freed. A tensor already shared is kept as it was (not re-adopted), so what this returns,
+        {name: (the tensor adopted, the parameter the decode reads)}, is what the caller checks the
+        identity of: a trainer tensor replaced since (not updated in place) no longer matches.
+        In-place updates (the optimizer's step, a checkpoint load) and offload / onload (the storage is
+        resized, not replaced) need nothing. After replacing parameters, `release_shared()`.
+        """
+        adopted, held = False, {}
+        for name, shard in shards:
+            own = self._own_name(name)
+            if own not in self._shared:
+                self._adopt(own, shard)
+                adopted = True
+            held[name] = (self._shared[own], self.params[own])
+        if adopted:
+            self._bind_slots()  # the old slot views kept the engine's own storages alive
+            self._host_weights = []
+        return held
+
     @torch.no_grad()
-    def _copy_shard(self, global_name: str, shard: torch.Tensor) -> None:
-        self.params[global_name].copy_(shard)
-        self._loaded.update(hc.hf_sources(global_name, self.spec))
+    def _adopt(self, own: str, shard: torch.Tensor) -> None:
+        param = self.params[own]
+        if (shard.shape, shard.dtype, shard.device) != (param.shape, param.dtype, param.device):
+            raise ValueError(f"share_shards: {own!r} is {list(shard.shape)} {shard.dtype} on {shard.device}, the "
+                             f"engine's is {list(param.shape)} {param.dtype} on {param.device}; such a layout "
+                             f"takes the copy path (load_shards / load_weights)")
+        if self._stash is not None:  # asleep: the freed storages are dropped, not restored
+            self._stash, self._loaded = None, set()
+        param.data = shard.detach()
+        self._shared[own] = shard.detach()  # shares the trainer tensor's version counter
+        self._alias = True
+        self._loaded.update(hc.hf_sources(own, self.spec))
+
+    def release_shared(self) -> None:
+        """Forget the trainer tensors; the next `share_shards` adopts the ones it is given (call it after
+        replacing the trainer's parameters). Generation refuses to run until then."""
+        self._shared, self._loaded = {}, set()
+
+    @property
+    def shares_weights(self) -> bool:
+        """The parameters read a trainer's tensors (`share_shards`)."""
+        return bool(self._shared)
+
+    def own_weight_bytes(self) -> int:
+        """Bytes of the weights the engine holds itself (0 while they alias a trainer's tensors)."""
+        if self._alias:
+            return 0
+        return sum({id(p.untyped_storage()): p.untyped_storage().nbytes() for p in self.params.values()}.values())
+
+    def _own_copy(self) -> None:
+        """Before a copy into the parameters: storage of the engine's own where they alias a trainer's
+        (a load must never write into the trainer's tensors); its values come with the load."""
+        if not self._alias:
+            return
+        with torch.no_grad():
+            for param in self.params.values():
+                param.data = torch.empty_like(param)
+        self._alias, self._shared, self._loaded = False, {}, set()
+        self._bind_slots()
+
+    def _own_name(self, name: str) -> str:
+        """This engine's (local layer spec) name of a trainer's global megatron name (either spec)."""
+        if name in self.params:
+            return name
+        by_sources = {hc.hf_sources(g, self.spec): g for g in self.params}
+        return by_sources[hc.hf_sources(name, dataclasses.replace(self.spec, layer_spec="te"))]
+
+    @torch.no_grad()
+    def _copy_shard(self, own: str, shard: torch.Tensor) -> None:
+        self.params[own].copy_(shard)
+        self._loaded.update(hc.hf_sources(own, self.spec))
 
     @torch.no_grad()
     def _copy_in(self, name: str, tensor: torch.Tensor) -> None:
@@ -177,7 +266,7 @@ class NativeEngine:
         out = {}
         for name, hf_dim in placed:
             _, view, region = self._slots[name]
-            out[name] = Stored(region, weight_digest(view.reshape(-1) if hf_dim == 1 else view, verify))
+            out[name] = Stored(region, weight_digest(view.reshape(-1) if hf_dim == 1 else view, verify), view.dtype)
         return out
 
     def _check_ready(self) -> None:
@@ -187,10 +276,17 @@ class NativeEngine:
         if missing:
             raise RuntimeError(f"NativeEngine weights not loaded: {missing[:3]} ({len(missing)} tensors); "
                                "stream the model in with reshard.update_engine_weights first")
+        gone = [g for g, t in self._shared.items()
+                if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()]
+        if gone:
+            raise RuntimeError(f"NativeEngine reads the trainer's own weights, and {gone[0]!r} ({len(gone)} "
+                               "tensors) is offloaded now: keep the actor's params on the device while generating "
+                               "(PhaseOffload.engine_reads)")
 
     def sleep(self) -> None:
-        """Drop nothing that is needed; on GPU (or when asked) move the weights to host memory."""
-        if self.offload_weights_on_sleep and self._stash is None:
+        """Drop nothing that is needed; on GPU (or when asked) move the weights to host memory. Shared
+        weights stay: they are the trainer's, whose offload decides where they live."""
+        if self.offload_weights_on_sleep and self._stash is None and not self._alias:
             self._stash = TensorStash(self.params.values(), hosts=self._host_weights)
 
     def wake_up(self) -> None:

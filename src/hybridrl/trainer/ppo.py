@@ -393,8 +393,9 @@ class PPOTrainer:
 
     def sync_rollout_weights(self, now: bool = True):
         """The actor's weights into the engine, grads and optimizer states offloaded (idle until the
-        next update): the sync holds two weight copies and one bucket. Split placement: to the rollout
-        ranks, at once (`now`, or staleness 0) or once the batch in flight has arrived."""
+        next update): the sync holds two weight copies and one bucket, or one copy where the engine reads
+        the actor's own tensors (shared: generation then keeps them on the device). Split placement: to
+        the rollout ranks, at once (`now`, or staleness 0) or once the batch in flight has arrived."""
         from hybridrl.placement.reshard import update_engine_weights
 
         if self.remote is not None:
@@ -402,8 +403,10 @@ class PPOTrainer:
                                        onload=lambda: self.hybrid.enter("update_weights"))
         self.hybrid.enter("update_weights")
         r = self.cfg.rollout
-        return update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
-                                     r.update_weights_bucket_mb, verify=r.verify_weights)
+        report = update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
+                                       r.update_weights_bucket_mb, verify=r.verify_weights, share=r.share_weights)
+        self.hybrid.engine_reads = {"actor"} if report.shared else set()
+        return report
 
     # ---- validation -----------------------------------------------------------------------
     def val_sampling(self) -> SamplingParams:

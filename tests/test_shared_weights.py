@@ -1,0 +1,230 @@
+"""Shared weights: at equal TP, PP 1 and the parameters' dtype the native engine reads the actor's own tensors.
+
+One 2-process gloo launch: an actor in megatron DDP with megatron's optimizer (bf16 with fp32 main params and
+the distributed optimizer at TP 2; fp32 at TP 1, DP 2). Checked: the engine's parameters are the actor's storages
+(no byte copied, the engine's own copy freed), greedy generation after an optimizer step, after an offload /
+onload cycle and after a checkpoint resume equals an engine loaded by the verified copy, a replaced parameter fails
+the identity check, and the layouts that cannot share (rollout TP != TP, another engine dtype, PP 2) still copy.
+"""
+import dataclasses
+import gc
+import types
+import weakref
+
+import pytest
+import torch
+
+from copy_spy import CopySpy
+from dist_helper import run_distributed
+from megatron_roles import SPEC, backward, megatron_on_cpu
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9], [40, 41]]
+VICTIM = "decoder.layers.1.mlp.linear_fc2.weight"
+
+
+def _actor(tp: int, pp_rank: int, dtype: str, distributed: bool, pp: int = 1):
+    from hybridrl.config import Config, OptimConfig
+    from hybridrl.models.gpt import DTYPES, GPTSpec, build_gpt
+    from hybridrl.trainer.roles import wrap_trainable
+    from hybridrl.workers.optim import MegatronOptimizer
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, use_distributed_optimizer=distributed))
+    torch.manual_seed(0)
+    module = wrap_trainable(build_gpt(GPTSpec(**SPEC), tp, pp, pp_rank, dtype), cfg)
+    with megatron_on_cpu():
+        opt = MegatronOptimizer(module, OptimConfig(lr=1e-2, weight_decay=0.1), distributed, 10, DTYPES[dtype])
+    return module, opt
+
+
+def _step(module, opt, seed: int) -> None:
+    backward(module, opt, seed)
+    with megatron_on_cpu():
+        assert opt.step()[0]
+
+
+def _greedy(engine):
+    from hybridrl.rollout.base import SamplingParams
+
+    return engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6)).responses
+
+
+def _copied_greedy(module, spec, groups, tp: int, dtype: str):
+    """Greedy responses of a fresh engine loaded by the verified copy path."""
+    from hybridrl.placement.reshard import update_engine_weights
+    from hybridrl.rollout.native import NativeEngine
+
+    engine = NativeEngine(spec, tp, dtype=dtype)
+    report = update_engine_weights(engine, module, spec, groups, 1, share=False)
+    assert report.verified and not report.shared and report.verify == "fingerprint"
+    return _greedy(engine)
+
+
+def _shared_handoff(engine, module, spec, groups) -> dict:
+    """The handoff with every Python copy counted and new storages metered."""
+    from hybridrl.placement.reshard import update_engine_weights
+
+    with CopySpy() as spy:
+        report = update_engine_weights(engine, module, spec, groups, 1, measure_memory=True)
+    return {"report": report, "copied_bytes": spy.nbytes}
+
+
+def _same_storages(engine, module) -> bool:
+    from hybridrl.placement.reshard import weight_state
+
+    local = weight_state(module)
+    return all(engine.params[g].untyped_storage() is local[g].untyped_storage()
+               and engine.params[g].data_ptr() == local[g].data_ptr() for g in engine.params)
+
+
+def _tp2(folder: str) -> dict:
+    from hybridrl.checkpoint.sharded import load_role, save_role
+    from hybridrl.config import OffloadConfig
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.models.hf_checkpoint import unwrap_model
+    from hybridrl.placement import reshard
+    from hybridrl.placement.offload import Offloader, PhaseOffload
+    from hybridrl.rollout.native import NativeEngine
+    from models_helper import reinit_parallel
+
+    groups, spec, res = reinit_parallel(2, 1), GPTSpec(**SPEC), {}
+    module, opt = _actor(2, 0, "bfloat16", True)
+    engine = NativeEngine(spec, 2, dtype="bfloat16", offload_weights_on_sleep=True)
+    own = [weakref.ref(p.untyped_storage()) for p in engine.params.values()]
+    res["first"] = _shared_handoff(engine, module, spec, groups)
+    gc.collect()
+    res["own_freed"] = all(ref() is None for ref in own)
+    res["own_bytes"] = engine.own_weight_bytes()
+    res["same_storage"] = _same_storages(engine, module)
+    _step(module, opt, 1)
+    res["after_step"] = _shared_handoff(engine, module, spec, groups)
+    res["greedy_step"] = (_greedy(engine), _copied_greedy(module, spec, groups, 2, "bfloat16"))
+    engine.sleep()  # shared weights are the actor's: sleep leaves them
+    engine.wake_up()
+    # offload / onload: the storages are resized, not replaced; generation keeps the actor's params
+    hybrid = PhaseOffload({"actor": Offloader(module, opt, OffloadConfig(params=True, grads=True, optimizer=True))})
+    hybrid.enter("gen")
+    try:
+        _greedy(engine)
+        res["offloaded_error"] = None
+    except RuntimeError as e:
+        res["offloaded_error"] = str(e)
+    hybrid.engine_reads = {"actor"}
+    hybrid.enter("gen")
+    res["gen_keeps"] = hybrid.device_bytes()["actor/params"]
+    res["greedy_gen_phase"] = _greedy(engine)
+    hybrid.enter("update_actor")
+    _step(module, opt, 2)
+    hybrid.enter("update_weights")
+    res["after_onload"] = _shared_handoff(engine, module, spec, groups)
+    res["greedy_onload"] = (_greedy(engine), _copied_greedy(module, spec, groups, 2, "bfloat16"))
+    # resume: a checkpoint loaded into the live actor (in place) while the engine reads it
+    worker = types.SimpleNamespace(engine=types.SimpleNamespace(module=module), optimizer=opt)
+    hybrid.enter("checkpoint")
+    with megatron_on_cpu():
+        save_role(worker, folder, False)
+        _step(module, opt, 3)
+        load_role(worker, folder, "actor")
+    hybrid.enter("update_weights")
+    res["after_resume"] = _shared_handoff(engine, module, spec, groups)
+    res["greedy_resume"] = (_greedy(engine), _copied_greedy(module, spec, groups, 2, "bfloat16"))
+    # a replaced parameter: the engine's alias is stale, and the handoff says so
+    param = unwrap_model(module).decoder.layers[1].mlp.linear_fc2.weight
+    param.data = param.data.clone()
+    try:
+        reshard.update_engine_weights(engine, module, spec, groups, 1)
+        res["replaced_error"] = None
+    except reshard.HandoffError as e:
+        res["replaced_error"] = str(e)
+    engine.release_shared()
+    res["reshared"] = _shared_handoff(engine, module, spec, groups)
+    res["greedy_reshared"] = (_greedy(engine), _copied_greedy(module, spec, groups, 2, "bfloat16"))
+    # layouts that cannot share: rollout TP 1 at training TP 2, an fp32 engine for bf16 parameters
+    for key, tp, dtype in (("rollout_tp1", 1, "bfloat16"), ("fp32_engine", 2, "float32")):
+        other = NativeEngine(spec, tp, dtype=dtype)
+        res[key] = (reshard.update_engine_weights(other, module, spec, groups, 1), other.own_weight_bytes(),
+                    _same_storages(other, module) if tp == 2 else False)
+    return res
+
+
+def _tp1_and_pp2() -> dict:
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.parallel.distributed import current_groups
+    from hybridrl.placement import reshard
+    from hybridrl.rollout.native import NativeEngine
+    from models_helper import reinit_parallel
+
+    groups, spec, res = reinit_parallel(1, 1), GPTSpec(**SPEC), {}
+    module, opt = _actor(1, 0, "float32", False)  # DP 2
+    engine = NativeEngine(spec, 1)
+    res["tp1"] = _shared_handoff(engine, module, spec, groups)
+    res["tp1_same_storage"] = _same_storages(engine, module)
+    _step(module, opt, 1)
+    reshard.update_engine_weights(engine, module, spec, groups, 1)
+    res["tp1_greedy"] = (_greedy(engine), _copied_greedy(module, spec, groups, 1, "float32"))
+    reinit_parallel(1, 2)
+    groups = current_groups()
+    stage, _ = _actor(1, groups.pp_rank, "float32", False, pp=2)
+    other = NativeEngine(spec, 1)
+    res["pp2"] = (reshard.update_engine_weights(other, stage, spec, groups, 1), other.own_weight_bytes())
+    return res
+
+
+def _run(folder):
+    return {**_tp2(folder), **_tp1_and_pp2()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_run, 2, str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.mark.distributed
+def test_engine_reads_the_actors_storages_and_copies_nothing(runs):
+    for res in runs:
+        for key in ("first", "tp1"):
+            report = res[key]["report"]
+            assert report.shared and report.verified and report.verify == "identity", key
+            assert res[key]["copied_bytes"] == 0 and report.total_bytes == 0, key
+            assert report.peak_extra_bytes < 4096, "no bucket, no digest: nothing but a few scalars"
+        assert res["same_storage"] and res["tp1_same_storage"]
+        assert res["own_freed"] and res["own_bytes"] == 0, "the engine's own copy must be gone"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("when", ["step", "onload", "resume", "reshared"])
+def test_greedy_on_shared_weights_equals_a_copied_engine(runs, when):
+    for res in runs:
+        shared, copied = res[f"greedy_{when}"]
+        assert torch.equal(shared, copied)
+        if when != "step":
+            key = {"onload": "after_onload", "resume": "after_resume", "reshared": "reshared"}[when]
+            assert res[key]["report"].shared and res[key]["copied_bytes"] == 0
+    shared, copied = runs[0]["tp1_greedy"]
+    assert torch.equal(shared, copied)
+
+
+@pytest.mark.distributed
+def test_generation_keeps_the_shared_params_on_the_device(runs):
+    for res in runs:
+        assert res["offloaded_error"] is not None and "offloaded" in res["offloaded_error"]
+        assert res["gen_keeps"] > 0
+        assert torch.equal(res["greedy_gen_phase"], res["greedy_step"][1])  # the same weights as after step 1
+
+
+@pytest.mark.distributed
+def test_a_replaced_parameter_fails_the_identity_check(runs):
+    for res in runs:
+        error = res["replaced_error"]
+        assert error is not None and VICTIM in error and "release_shared" in error
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", ["rollout_tp1", "fp32_engine", "pp2"])
+def test_layouts_that_cannot_share_take_the_verified_copy(runs, key):
+    for res in runs:
+        report, own_bytes = res[key][:2]
+        assert not report.shared and report.verified and report.verify == "fingerprint"
+        assert report.total_bytes > 0 and own_bytes > 0
+        if len(res[key]) == 3:
+            assert not res[key][2]
