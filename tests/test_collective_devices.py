@@ -91,3 +91,16 @@ def test_partial_rollout_flag_and_expert_widths_run_on_the_device():
     for _, experts in results:
         assert experts["widths"] == [(4, 9), (5, 4)]
         assert "different numbers of micro-batches (1 to 2)" in experts["mismatch"]
+
+
+MOE = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2", "model.moe_intermediate_size=32"]
+
+
+@pytest.mark.distributed
+def test_one_moe_step_at_ep2_on_the_device(tmp_path):
+    """A whole GRPO step of a MoE actor at EP 2 on the emulated accelerator: expert-parallel agreements,
+    megatron's token dispatcher and the router metrics all run on device tensors."""
+    from test_device_placement import SMALL, _check, _paths, _step_on_virtual_device
+
+    overrides = SMALL + _paths(tmp_path) + MOE + ["algorithm.adv_estimator=grpo", "parallel.expert_model_parallel_size=2"]
+    _check(run_distributed(_step_on_virtual_device, 2, overrides, timeout=300))

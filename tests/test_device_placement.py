@@ -61,7 +61,8 @@ def _build(overrides):
     cfg = load_config(TINY, overrides)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     layout = derive_layout(cfg, dist.get_world_size(), tokenizer.vocab_size)
-    groups = dataclasses.replace(init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed), device=VIRTUAL)
+    groups = dataclasses.replace(init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed, ep=layout.ep,
+                                                       cp=layout.cp), device=VIRTUAL)
     if dist.get_rank() == 0:
         ensure_synthetic_data(cfg.data)
     dist.barrier()

@@ -157,9 +157,12 @@ class DeviceCheck(TorchFunctionMode):
         if not self.enabled:
             return func(*args, **kwargs)
         if func in _BACKWARD:  # gradients come from C++ kernels, unlabelled: backward is not checked
+            from hybridrl.parallel import cpu_compat
+
             self.enabled = False
-            try:
-                return func(*args, **kwargs)
+            try:  # and runs as host code: a buffer megatron's backward makes on the current device is a host one
+                with cpu_compat.standing_in_for_cuda("cpu"):
+                    return func(*args, **kwargs)
             finally:
                 self.enabled = True
         if func is torch.Tensor.numpy and args and is_on_device(args[0]):
