@@ -26,7 +26,7 @@ def _pp2_results():
             sent.extend(t for t in tree_flatten(objects)[0] if isinstance(t, torch.Tensor))
         return real(objects, src=src, group=group, device=device)
 
-    def last_stage_stats(module, micro_batches, loss_fn, forward_only):
+    def last_stage_stats(module, micro_batches, loss_fn, forward_only, token_fn=None):
         return [{"actor/pg_loss": torch.tensor(0.25 * i, device="cuda"), "finite": 1.0,
                  "rows": {"log_probs": torch.arange(6.0, device="cuda").view(2, 3) + i}} for i in range(2)]
 

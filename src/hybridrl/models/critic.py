@@ -120,16 +120,21 @@ def critic_from_hf(hf_folder_or_config, groups, dtype: str = "float32", seed: in
     return model, spec, source
 
 
+def check_reward_head(folder: str) -> None:
+    """An HF folder without a reward head fails here, on every rank, before anything is built."""
+    names = set(SafetensorsReader(folder).names())
+    if not any(w in names for w, _ in REWARD_HEADS):
+        raise CheckpointMismatchError(
+            f"{folder} has no reward head ({', '.join(w for w, _ in REWARD_HEADS)}): a reward model is an HF "
+            "*ForSequenceClassification folder with num_labels=1 (scripts/train_rm.py writes one)")
+
+
 def reward_model_from_hf(folder: str, groups, dtype: str = "float32", **config_overrides):
     """(model, spec, pad_token_id) of an HF reward model folder: the trunk and its `score` head.
 
     pad_token_id is the config's (None when unset); it decides the scored token (workers/reward_model.py).
     """
-    names = set(SafetensorsReader(folder).names())  # checked on every rank, so all ranks fail together
-    if not any(w in names for w, _ in REWARD_HEADS):
-        raise CheckpointMismatchError(
-            f"{folder} has no reward head ({', '.join(w for w, _ in REWARD_HEADS)}): a reward model is an HF "
-            "*ForSequenceClassification folder with num_labels=1 (scripts/train_rm.py writes one)")
+    check_reward_head(folder)
     model, spec, _ = critic_from_hf(folder, groups, dtype, **config_overrides)
     return model, spec, as_config_dict(folder).get("pad_token_id")
 

@@ -216,13 +216,14 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
 
 def build_reward_model(cfg: Config, groups: ParallelGroups, tokenizer):
     """The frozen reward model at the training TP/PP, re-encoding for its own tokenizer when it has one."""
-    from hybridrl.models.critic import reward_model_from_hf
+    from hybridrl.models.critic import check_reward_head, reward_model_from_hf
     from hybridrl.workers.reward_model import RewardModelWorker, build_reencoder, check_vocab
 
     rm = cfg.reward_model
     if not os.path.isfile(os.path.join(rm.path, "config.json")):
         raise ConfigError(f"reward_model.path='{rm.path}' has no config.json; train one with scripts/train_rm.py "
                           "--config <this config>, or point it at an HF *ForSequenceClassification folder")
+    check_reward_head(rm.path)
     model, spec, pad_id = reward_model_from_hf(rm.path, groups, cfg.model.params_dtype, **sequence_overrides(cfg, groups))
     reencoder = build_reencoder(cfg, pad_id)
     if spec.is_moe and groups.ep > 1 and reencoder is not None:
