@@ -2,7 +2,7 @@
 
 Per-token log-probs, entropy (actor) and values (critic), and every parameter's gradient (gathered to its
 full HF tensor through the export stream), of Qwen3 dense and Qwen3-MoE at: packed; TP 2 with SP, padded
-and packed; CP 2; TP 2 + SP + CP 2 (4 processes). The rows mix left-padded prompts and right-padded
+and packed; CP 2, packed and padded; TP 2 + SP + CP 2 (4 processes). The rows mix left-padded prompts and right-padded
 responses of varied lengths, GQA (2 KV heads for 4 query heads) and one row shorter than 2·CP tokens.
 A layout that silently fell back (no packing, no split) would still pass the value checks, so each run also
 reports what it computed: the token count each rank's attention saw, which must be the packed or split one.
@@ -148,7 +148,7 @@ def test_packed_world1_equals_padded(world1):
 def test_sequence_and_context_parallel_on_two_ranks_equal_world1(world1, folders):
     layouts = {"sp": (2, 1, {"sequence_parallel": True}),
                "sp_packed": (2, 1, {"sequence_parallel": True, "remove_padding": True}),
-               "cp": (1, 2, {"remove_padding": True})}
+               "cp": (1, 2, {"remove_padding": True}), "cp_padded": (1, 2, {})}
     ranks = run_distributed(_layouts, 2, folders, layouts)
     for (layout, model, role), result in ranks[0].items():
         _compare(result, world1["padded", model, role])
@@ -156,6 +156,7 @@ def test_sequence_and_context_parallel_on_two_ranks_equal_world1(world1, folders
         assert rank["sp", "qwen3", "actor"][2] == len(PROMPTS) * (sum(WIDTH) + 1)  # width 13 padded to 14
         assert rank["sp_packed", "qwen3", "actor"][2] == 36  # rows 7, 7, 7, 2, 9 padded to multiples of TP = 2
         assert rank["cp", "qwen3", "actor"][2] == 40 // 2  # to multiples of 2·CP = 4, half on each rank
+        assert rank["cp_padded", "qwen3", "actor"][2] == len(PROMPTS) * 16 // 2  # rows of width 13 -> 16
 
 
 @pytest.mark.distributed

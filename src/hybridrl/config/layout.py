@@ -132,13 +132,11 @@ def model_parallel_sizes(cfg: Config, world_size: int, dims: ModelDims) -> tuple
 
 
 def check_long_sequences(cfg: Config) -> None:
-    """Context parallelism runs on packed sequences, with the actor, critic and engine on the same ranks."""
+    """Context parallelism runs colocated (actor, critic and engine on the same ranks), on rows long enough to
+    cut in 2·CP chunks."""
     cp, p = cfg.parallel.context_parallel_size, cfg.placement
     if cp == 1:
         return
-    _require(cfg.model.use_remove_padding,
-             f"parallel.context_parallel_size={cp} splits packed sequences (THD) over ranks; set "
-             "model.use_remove_padding=true or context_parallel_size=1")
     _require(p.mode == "colocated",
              f"parallel.context_parallel_size={cp} with placement.mode=split is not supported (the weight and row "
              "streams address trainers by TP/PP/DP); use placement.mode=colocated or context_parallel_size=1")

@@ -34,12 +34,14 @@ class Pack:
 
     @staticmethod
     def of(attention_mask: torch.Tensor, align: int = 1, cp_size: int = 1, cp_rank: int = 0,
-           min_total: int = 0) -> "Pack":
+           min_total: int = 0, whole_rows: bool = False) -> "Pack":
         """The pack of a [B, S] mask (1 = token). `min_total` (a multiple of `align`): the last row's padding
-        makes the whole pack at least that long (expert-parallel ranks agree on one length)."""
+        makes the whole pack at least that long (expert-parallel ranks agree on one length). `whole_rows`:
+        every row keeps the micro-batch's width (rounded up to `align`), its padding moved behind its tokens:
+        the padded layout's cost, for context parallelism without model.use_remove_padding."""
         real = attention_mask.bool()
         b, s = real.shape
-        lengths = real.sum(1)
+        lengths = torch.full((b,), s, device=real.device) if whole_rows else real.sum(1)
         padded = ((lengths.clamp(min=1) + align - 1) // align) * align
         total = int(padded.sum())
         if min_total > total:
@@ -57,9 +59,10 @@ class Pack:
         return Pack(rows, cols, dest, cu, int(padded.max()), local, (b, s))
 
     @staticmethod
-    def length(attention_mask: torch.Tensor, align: int = 1) -> int:
+    def length(attention_mask: torch.Tensor, align: int = 1, whole_rows: bool = False) -> int:
         """The whole pack's length, without building it."""
-        lengths = attention_mask.bool().sum(1).clamp(min=1)
+        b, s = attention_mask.shape
+        lengths = torch.full((b,), s) if whole_rows else attention_mask.bool().sum(1).clamp(min=1)
         return int((((lengths + align - 1) // align) * align).sum())
 
     @property

@@ -15,6 +15,9 @@ from hybridrl.parallel.expert_lockstep import agree_max
 @dataclass(frozen=True)
 class SequenceLayout:
     packed: bool
+    whole_rows: bool
+    """Context parallelism on padded rows (model.use_remove_padding false): each row packed at the micro-batch's
+    width, its padding behind its tokens (computed, as padded rows are, but never attended by a real token)."""
     sp: int
     """TP size the sequence is split over (1 without sequence parallelism)."""
     sp_rank: int
@@ -37,8 +40,9 @@ class SequenceLayout:
         cp = config.context_parallel_size
         ep_group = getattr(groups, "ep", None) if config.num_moe_experts else None
         ep_group = ep_group if ep_group is not None and dist.get_world_size(ep_group) > 1 else None
+        remove_padding = bool(getattr(inner, "remove_padding", False))
         return SequenceLayout(
-            packed=bool(getattr(inner, "remove_padding", False)) or cp > 1, sp=sp,
+            packed=remove_padding or cp > 1, whole_rows=cp > 1 and not remove_padding, sp=sp,
             sp_rank=dist.get_rank(groups.tp) if sp > 1 else 0, cp=cp,
             cp_rank=dist.get_rank(groups.cp) if cp > 1 else 0, cp_group=groups.cp if groups is not None else None,
             ep_group=ep_group)
@@ -53,13 +57,13 @@ class SequenceLayout:
         return (self.sp_rank, self.sp) if self.sp > 1 else None
 
     def pack(self, attention_mask, min_total: int = 0) -> Pack:
-        return Pack.of(attention_mask, self.align, self.cp, self.cp_rank, min_total)
+        return Pack.of(attention_mask, self.align, self.cp, self.cp_rank, min_total, self.whole_rows)
 
     def agree_pack_lengths(self, micro_batches: list[dict]) -> list[dict]:
         """Each micro-batch with "pack_length": this rank's part of its pack, after expert-parallel peers agree
         on the whole pack's length (the longest of theirs)."""
         totals = [Pack.length(mb["attention_mask"] if mb.get("attention_mask") is not None
-                              else torch.ones_like(mb["input_ids"]), self.align) for mb in micro_batches]
+                              else torch.ones_like(mb["input_ids"]), self.align, self.whole_rows) for mb in micro_batches]
         if self.ep_group is not None:
             totals = agree_max(totals, self.ep_group, micro_batches[0]["input_ids"].device)
         return [{**mb, "pack_length": total} for mb, total in zip(micro_batches, totals)]
