@@ -138,10 +138,7 @@ def test_one_step_dp2_with_critic_reference_reward_model_and_offload(tmp_path):
 
 @pytest.mark.distributed
 def test_one_step_tp2_rollout_broadcast(tmp_path):
-    # sequence parallelism off: megatron's SP linear backward gathers into its global buffer, allocated on
-    # torch.cuda.current_device(), which the virtual device cannot stand in for (the host, here)
-    overrides = SMALL + _paths(tmp_path) + ["algorithm.adv_estimator=grpo", "parallel.tensor_model_parallel_size=2",
-                                            "parallel.sequence_parallel=false"]
+    overrides = SMALL + _paths(tmp_path) + ["algorithm.adv_estimator=grpo", "parallel.tensor_model_parallel_size=2"]
     _check(run_distributed(_step_on_virtual_device, 2, overrides, timeout=300))
 
 
