@@ -220,11 +220,6 @@ class NativeEngine:
         replacing the trainer's parameters). Generation refuses to run until then."""
         self._shared, self._loaded = {}, set()
 
-    @property
-    def shares_weights(self) -> bool:
-        """The parameters read a trainer's tensors (`share_shards`)."""
-        return bool(self._shared)
-
     def own_weight_bytes(self) -> int:
         """Bytes of the weights the engine holds itself (0 while they alias a trainer's tensors)."""
         if self._alias:
