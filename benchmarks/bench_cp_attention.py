@@ -6,7 +6,7 @@ backward (what `causal_lower_right` does on CPU).
 
 fp32, 8 query heads, 2 KV heads, head dim 64; loss = sum(out * w). Memory, per rank, of one forward +
 backward, by two meters: `reshard.LiveTensorMeter` (a TorchDispatchMode that sees every aten op, in
-backward and in checkpoint recomputation too, and counts the storages allocated and still alive:
+backward and in the blocks recomputed there too, and counts the storages allocated and still alive:
 "held after forward" is the output plus what autograd keeps for backward, "peak" the most alive at
 once), and the process's peak RSS increase (`ru_maxrss`, taken once per fresh process around the
 first step). Times: wall seconds of forward + backward per rank, median of the repeats (the first
