@@ -226,8 +226,11 @@ def test_a_layer_saves_what_the_planner_counts(qk_norm):
 def test_packed_attention_keeps_memory_linear_in_the_sequence():
     """Each packed sequence runs the fused kernel: forward and backward of one 2048-token sequence never hold
     a [heads, L, L] score tensor (the math path, taken for 3-d inputs, holds 64 MiB of them here)."""
-    from hybridrl.models.sdpa_attention import packed_causal_attention
+    from hybridrl.models.context_parallel import cp_attention
     from hybridrl.placement.reshard import LiveTensorMeter
+
+    def packed_causal_attention(q, k, v, cu, scale):  # SDPAttention's packed path without context parallelism
+        return cp_attention(q, k, v, cu, None, scale)
 
     L, heads, groups, d = 2048, 4, 2, 16
     g = torch.Generator().manual_seed(0)

@@ -137,7 +137,7 @@ def _plan(bounds: list, cp: int, rank: int, masked: bool) -> list:
     pieces = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         c = (b - a) // (2 * cp)
-        chunks = [(a // cp, 2 * c, b)] if cp == 1 else [(a // cp, c, a + (rank + 1) * c),
+        chunks = [(a, b - a, b)] if cp == 1 else [(a // cp, c, a + (rank + 1) * c),
                                                         (a // cp + c, c, a + (2 * cp - rank) * c)]
         for q0, rows, k1 in chunks:
             if rows == 0:
@@ -190,12 +190,12 @@ class _PackedCausal(torch.autograd.Function):
                 if not need[i]:
                     continue
                 g = next(got)
-                shape, dtype, device = ctx.like[i]
+                shape, dtype, _ = ctx.like[i]
                 if grads[i] is None and (i0, i1) == (0, shape[0]):  # one piece covers it: no buffer
                     grads[i] = g
                     continue
-                if grads[i] is None:
-                    grads[i] = torch.zeros(shape, dtype=dtype, device=device)
+                if grads[i] is None:  # like the piece's gradient: the inputs' device and dtype
+                    grads[i] = g.new_zeros(shape, dtype=dtype)
                 grads[i][i0:i1] += g
         ctx.kept = None
         return grads[0], grads[1], grads[2], None, None, None
@@ -230,7 +230,7 @@ def cp_attention(query, key, value, cu_seqlens_padded, cp_group, softmax_scale: 
     if query.shape[0] * cp != bounds[-1] or key.shape[0] != query.shape[0] or query.shape[1] % key.shape[1]:
         raise ValueError(f"cp_attention: query {tuple(query.shape)}, key {tuple(key.shape)} do not hold 1/{cp} of a "
                          f"{bounds[-1]}-token pack with heads a multiple of groups")
-    if any((b - a) % (2 * cp) for a, b in zip(bounds[:-1], bounds[1:])):
+    if cp > 1 and any((b - a) % (2 * cp) for a, b in zip(bounds[:-1], bounds[1:])):
         raise ValueError(f"cp_attention: every padded length must be a multiple of 2*cp={2 * cp}, got cu {bounds}")
     if cp > 1:
         order = torch.stack([zigzag_positions(cu_seqlens_padded.to(key.device), cp, r) for r in range(cp)])

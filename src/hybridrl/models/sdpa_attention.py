@@ -114,31 +114,14 @@ class SDPAttention(torch.nn.Module):
         """THD: [T, heads, d] query, [T, groups, d] key and value -> [T, heads·d]."""
         from megatron.core import tensor_parallel
 
+        from hybridrl.models.context_parallel import cp_attention
+
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention: packed sequences in {params.qkv_format!r} format (only 'thd')")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         dropout = self.dropout_p if self.training else 0.0
         fork = dropout and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-            if self.cp_group is not None:
-                from hybridrl.models.context_parallel import cp_attention
-
-                out = cp_attention(query, key, value, cu, self.cp_group, self.softmax_scale, dropout)
-            else:
-                out = packed_causal_attention(query, key, value, cu, self.softmax_scale, dropout)
+            # per sequence (one autograd node for the whole pack), across the CP group when there is one
+            out = cp_attention(query, key, value, cu, self.cp_group, self.softmax_scale, dropout)
         return out.reshape(out.shape[0], -1)
-
-
-def packed_causal_attention(query, key, value, cu_seqlens, scale: float, dropout: float = 0.0):
-    """Causal attention of each sequence of a THD pack on its own: [T, heads, d] -> [T, heads, d]."""
-    if value.requires_grad and torch.is_grad_enabled():
-        value = value.contiguous()  # a view of the fused QKV projection would keep all of it for backward
-    bounds = cu_seqlens.tolist()
-    gqa = key.shape[1] != query.shape[1]
-    outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        # [1, n, len, d]: the fused (flash) kernels take 4-d inputs only; 3-d ones run the [len, len] math path
-        q, k, v = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)[0].transpose(0, 1))
-    return torch.cat(outs)
