@@ -183,7 +183,7 @@ def handoff(engine, model, spec, groups) -> dict:
     for path in PATHS:
         with _handoff_path(path):
             # warm-up, the byte count and the peak memory (metered here only: metering slows a handoff down)
-            report = update_engine_weights(engine, model, spec, groups, 64, measure_memory=True)
+            report = update_engine_weights(engine, model, spec, groups, 64, measure_memory=True, share=False)
             if report.direct != (path == "direct"):
                 raise RuntimeError(f"the {path} handoff took the {'direct' if report.direct else 'bucketed'} path")
             out[path] = {"bytes": report.total_bytes, "peak_extra_gib": report.peak_cuda_extra_bytes / 2**30,
@@ -197,7 +197,7 @@ def handoff(engine, model, spec, groups) -> dict:
         for path, verify in [k for k in times if k != "memcpy"]:
             with _handoff_path(path):
                 times[path, verify].append(_sync_time(
-                    lambda: update_engine_weights(engine, model, spec, groups, 64, verify=verify)))
+                    lambda: update_engine_weights(engine, model, spec, groups, 64, verify=verify, share=False)))
             times["memcpy"].append(_sync_time(memcpy))
     for path, verify in [k for k in times if k != "memcpy"]:
         out[path]["verified" if verify == "fingerprint" else "unverified"] = bl.median(times[path, verify])

@@ -88,7 +88,7 @@ def body(folder: str, reps: int) -> dict:
         groups = reinit_parallel(tp, pp)
         model, spec = model_from_hf(folder, groups)
         engine = NativeEngine(spec, 1)
-        warm = update_engine_weights(engine, model, spec, groups, BUCKETS_MB[-1])
+        warm = update_engine_weights(engine, model, spec, groups, BUCKETS_MB[-1], share=False)
         src, dst = torch.ones(warm.total_bytes, dtype=torch.uint8), torch.zeros(warm.total_bytes, dtype=torch.uint8)
         _memcpy_seconds(src, dst)  # both buffers paged in before any timing
         for _ in range(reps):
@@ -97,14 +97,14 @@ def body(folder: str, reps: int) -> dict:
                     cell = out.setdefault((tp, pp, bucket_mb, verify),
                                           {"handoff": [], "memcpy": [], "transport": [], "samples": []})
                     cell["samples"].append(bl.sample())
-                    report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify)  # A
+                    report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify, share=False)  # A
                     cell["memcpy"].append(_memcpy_seconds(src, dst))  # B, same bytes, same process
                     cell["transport"].append(_transport_seconds(model, spec, groups))  # C
                     cell["handoff"].append(report.seconds)
                     cell["report"] = report
         for bucket_mb in BUCKETS_MB:  # memory, metered apart: the meter sees every op and slows the stream
             out[tp, pp, bucket_mb, VERIFY[0]]["metered"] = update_engine_weights(
-                engine, model, spec, groups, bucket_mb, measure_memory=True)
+                engine, model, spec, groups, bucket_mb, measure_memory=True, share=False)
         del model, engine, src, dst
     return out
 
@@ -192,8 +192,8 @@ def _profile_body(folder: str) -> str:
     groups = reinit_parallel(2, 1)
     model, spec = model_from_hf(folder, groups)
     engine = NativeEngine(spec, 1)
-    update_engine_weights(engine, model, spec, groups, 64)
-    return bl.profile_top(lambda: update_engine_weights(engine, model, spec, groups, 64), 14)
+    update_engine_weights(engine, model, spec, groups, 64, share=False)
+    return bl.profile_top(lambda: update_engine_weights(engine, model, spec, groups, 64, share=False), 14)
 
 
 def main() -> None:
