@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
 from hybridrl.placement.fingerprint import VERIFY_MODES, hf_region, weight_digest
+from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
 
 
 class HandoffError(RuntimeError):
@@ -91,43 +89,6 @@ def join_requests(prompts: list, seeds: list, groups: RolloutGroups | None):
     mine = gathered[groups.tp_rank]
     lo = offsets[(tuple(map(tuple, mine[0])), tuple(mine[1]))]
     return joint_prompts, joint_seeds, (lo, lo + len(prompts))
-
-
-# ---- live-memory accounting ------------------------------------------------------------------------
-
-class LiveTensorMeter(TorchDispatchMode):
-    """Bytes of tensor storages allocated inside the `with` block and still alive; records the peak.
-
-    Every aten op is seen; an output whose storage is not one of the op's inputs' storages is a new
-    allocation (views and in-place ops share an input's storage and are not counted). A storage stops
-    counting when it is freed (weakref), so the peak is what the block really held at once.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-
-    def _release(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def _track(self, t: torch.Tensor, input_storages: set) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self.live or key in input_storages or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._release, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t, inputs)
-        return out
 
 
 # ---- the weight stream -----------------------------------------------------------------------------
