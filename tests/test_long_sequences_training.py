@@ -5,7 +5,9 @@ import pytest
 from dist_helper import run_distributed
 from test_trainer import FIRST_STEP, TINY, _overrides, _torchrun, _train, read_scalars
 
-GRPO = ["algorithm.adv_estimator=grpo", "trainer.save_freq=1"]
+GRPO = ["algorithm.adv_estimator=grpo"]
+LAST = ["trainer.save_freq=1000"]
+"""A checkpoint at the run's last step only (save_freq > 0 saves the final step too)."""
 GAE_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/values/mean")
 
 
@@ -27,12 +29,12 @@ def world1_grpo(tmp_path_factory):
 @pytest.mark.slow
 def test_grpo_at_cp2_resumes_at_cp1_and_back(tmp_path, world1_grpo):
     run = tmp_path / "run"
-    proc = _torchrun(run, 2, GRPO + ["parallel.context_parallel_size=2", "trainer.total_training_steps=2"])
+    proc = _torchrun(run, 2, GRPO + LAST + ["parallel.context_parallel_size=2", "trainer.total_training_steps=2"])
     assert "cp=2" in proc.stdout and "dp=1" in proc.stdout
     scalars = read_scalars(run)
     _close(scalars, world1_grpo, FIRST_STEP, 1, 1e-5)
     _close(scalars, world1_grpo, ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"), 2, 1e-4)
-    run_distributed(_train, 1, TINY, _overrides(run, GRPO + ["trainer.total_training_steps=3"]))  # CP 1 now
+    run_distributed(_train, 1, TINY, _overrides(run, GRPO + LAST + ["trainer.total_training_steps=3"]))  # CP 1 now
     proc = _torchrun(run, 2, GRPO + ["parallel.context_parallel_size=2", "trainer.total_training_steps=4"])
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
     scalars = read_scalars(run)
