@@ -29,13 +29,14 @@ def world1_grpo(tmp_path_factory):
 @pytest.mark.slow
 def test_grpo_at_cp2_resumes_at_cp1_and_back(tmp_path, world1_grpo):
     run = tmp_path / "run"
-    proc = _torchrun(run, 2, GRPO + LAST + ["parallel.context_parallel_size=2", "trainer.total_training_steps=2"])
+    packed = ["model.use_remove_padding=true"]  # tiny_cpu.yaml runs padded rows
+    proc = _torchrun(run, 2, GRPO + LAST + packed + ["parallel.context_parallel_size=2", "trainer.total_training_steps=2"])
     assert "cp=2" in proc.stdout and "dp=1" in proc.stdout
     scalars = read_scalars(run)
     _close(scalars, world1_grpo, FIRST_STEP, 1, 1e-5)
     _close(scalars, world1_grpo, ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"), 2, 1e-4)
-    run_distributed(_train, 1, TINY, _overrides(run, GRPO + LAST + ["trainer.total_training_steps=3"]))  # CP 1 now
-    proc = _torchrun(run, 2, GRPO + ["parallel.context_parallel_size=2", "trainer.total_training_steps=4"])
+    run_distributed(_train, 1, TINY, _overrides(run, GRPO + LAST + packed + ["trainer.total_training_steps=3"]))  # CP 1
+    proc = _torchrun(run, 2, GRPO + packed + ["parallel.context_parallel_size=2", "trainer.total_training_steps=4"])
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
     scalars = read_scalars(run)
     assert set(scalars["actor/pg_loss"]) == {1, 2, 3, 4}
@@ -49,7 +50,8 @@ def test_ppo_at_tp2_sp_cp2_on_four_ranks_equals_world1(tmp_path, tmp_path_factor
     gae = ["algorithm.adv_estimator=gae", "trainer.total_training_steps=1"]
     reference = tmp_path_factory.mktemp("w1_gae")
     run_distributed(_train, 1, TINY, _overrides(reference, gae + ["model.use_remove_padding=false"]))
-    proc = _torchrun(tmp_path, 4, gae + ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"],
+    proc = _torchrun(tmp_path, 4, gae + ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2",
+                                         "model.use_remove_padding=true"],
                      timeout=400)
     assert "tp=2 cp=2" in proc.stdout
     _close(read_scalars(tmp_path), read_scalars(reference), FIRST_STEP + GAE_KEYS, 1, 1e-5)
