@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hybridrl.models.packing import next_token_labels
 from hybridrl.models.routing_replay import replaying
 from hybridrl.models.sequence_layout import SequenceLayout
 from hybridrl.parallel.cp_tokens import gather_tokens
@@ -84,18 +85,12 @@ def _shapes_sent_ahead(model, micro_batches: list[dict], packed: bool = False):
         config.variable_seq_lengths = before
 
 
-def _labels(input_ids: torch.Tensor) -> torch.Tensor:
-    labels = torch.zeros_like(input_ids)
-    labels[:, :-1] = input_ids[:, 1:]
-    return labels
-
-
 def _padded_tokens(token_fn: Callable, output: torch.Tensor, mb: dict) -> dict:
     """token_fn's per-token results of a padded [B, S] output as [B, S] tensors; with "response_mask" in
     the micro-batch only the positions that predict or value the response are computed (zero before)."""
     ids = mb["input_ids"]
     start = ids.shape[1] - mb["response_mask"].shape[1] - 1 if "response_mask" in mb else 0
-    stats = token_fn(output[:, start:], _labels(ids)[:, start:])
+    stats = token_fn(output[:, start:], next_token_labels(ids)[:, start:])
     return {k: F.pad(v, (start, 0)) for k, v in stats.items()}
 
 

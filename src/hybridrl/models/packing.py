@@ -17,6 +17,20 @@ from dataclasses import dataclass
 import torch
 
 
+def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: each column's next token in its row (0 at the last column)."""
+    labels = torch.zeros_like(input_ids)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels
+
+
+def _padded_lengths(real: torch.Tensor, align: int, whole_rows: bool) -> torch.Tensor:
+    """Each row's length in the pack: its real tokens (or the micro-batch's width), at least 1, up to `align`."""
+    b, s = real.shape
+    lengths = torch.full((b,), s, device=real.device) if whole_rows else real.sum(1)
+    return ((lengths.clamp(min=1) + align - 1) // align) * align
+
+
 @dataclass
 class Pack:
     rows: torch.Tensor
@@ -41,8 +55,7 @@ class Pack:
         the padded layout's cost, for context parallelism without model.use_remove_padding."""
         real = attention_mask.bool()
         b, s = real.shape
-        lengths = torch.full((b,), s, device=real.device) if whole_rows else real.sum(1)
-        padded = ((lengths.clamp(min=1) + align - 1) // align) * align
+        padded = _padded_lengths(real, align, whole_rows)
         total = int(padded.sum())
         if min_total > total:
             padded[-1] += min_total - total
@@ -61,9 +74,7 @@ class Pack:
     @staticmethod
     def length(attention_mask: torch.Tensor, align: int = 1, whole_rows: bool = False) -> int:
         """The whole pack's length, without building it."""
-        b, s = attention_mask.shape
-        lengths = torch.full((b,), s) if whole_rows else attention_mask.bool().sum(1).clamp(min=1)
-        return int((((lengths + align - 1) // align) * align).sum())
+        return int(_padded_lengths(attention_mask.bool(), align, whole_rows).sum())
 
     @property
     def total(self) -> int:
@@ -88,9 +99,7 @@ class Pack:
 
     def next_token_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[1, T_local]: at each real token the row's next token (0 after a row's last token and at padding)."""
-        labels = torch.zeros_like(input_ids)
-        labels[:, :-1] = input_ids[:, 1:]
-        return self.pack(labels)
+        return self.pack(next_token_labels(input_ids))
 
     def params(self, cp_group=None):
         """megatron's PackedSeqParams of this pack (THD; padded and unpadded boundaries are the same)."""
