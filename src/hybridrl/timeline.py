@@ -20,7 +20,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 _NULL = contextlib.nullcontext()  # reusable: a disabled span costs one attribute test
 WAIT_PREFIX = "wait"
-"""Spans whose name starts with this are idle time, not compute (`wait_rollout`, `wait_weights`)."""
+"""Spans whose name starts with this are idle time, not compute (`wait_rollout`, `wait_critic`)."""
+TRANSFER = frozenset({"update_weights"})
+"""Spans that move weights between roles or into an engine: busy, but not compute; `busy_intervals` leaves
+them out like waits (in split placement both roles sit in the same transfer, which is no overlap)."""
+
+
+def is_compute(name: str) -> bool:
+    return not name.startswith(WAIT_PREFIX) and name not in TRANSFER
 
 Interval = Tuple[float, float]
 
@@ -61,10 +68,10 @@ class Timeline:
         if self.enabled:
             self.spans.append((name, float(start), float(end)))
 
-    def mark(self, name: str) -> None:
-        """An instant event (a weight sync landing, a checkpoint)."""
+    def mark(self, name: str, at: Optional[float] = None) -> None:
+        """An instant event (a weight sync landing, a step's start), now or `at` (seconds on this clock)."""
         if self.enabled:
-            self.marks.append((name, self.now()))
+            self.marks.append((name, self.now() if at is None else float(at)))
 
     def clear(self) -> None:
         self.spans.clear()
@@ -175,11 +182,12 @@ def _length(intervals: Iterable[Interval]) -> float:
 
 
 def busy_intervals(events: Iterable[dict], rank: int) -> List[Interval]:
-    """Where `rank` computes, in microseconds: inside a span that is not a wait, and not inside a wait
-    (so an umbrella `step` span around a `wait_rollout` leaves the wait out)."""
+    """Where `rank` computes, in microseconds: inside a compute span and inside no wait or transfer span
+    (so an umbrella `step` span around a `wait_rollout` leaves the wait out, a `gen` span the weights a
+    partial rollout takes in on the way)."""
     spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["tid"] == rank]
-    waits = _union((s, e) for n, s, e in spans if n.startswith(WAIT_PREFIX))
-    return _subtract(_union((s, e) for n, s, e in spans if not n.startswith(WAIT_PREFIX)), waits)
+    idle = _union((s, e) for n, s, e in spans if not is_compute(n))
+    return _subtract(_union((s, e) for n, s, e in spans if is_compute(n)), idle)
 
 
 def _window(events: Sequence[dict], ranks: Set[int]) -> Interval:

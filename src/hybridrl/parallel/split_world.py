@@ -111,20 +111,25 @@ class Bridge:
 
     def broadcast_object(self, obj, src: int):
         """`obj` (anything torch.save takes, tensors on the host) from `src` to every member."""
-        if self.rank == src:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
+        payload = serialize(obj) if self.rank == src else None
+        size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
         self._host_broadcast(size, src)
         if self.rank != src:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self._host_broadcast(payload, src)
-        if self.rank == src:
-            return obj
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        return obj if self.rank == src else _deserialize(payload)
+
+    def send_object(self, payload: torch.Tensor, dst: int) -> None:
+        """Bytes from `serialize` to the member `dst` only (it calls `recv_object`); host groups (gloo)."""
+        self.pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], self.index[dst], 0).wait()
+        self.pg.send([payload], self.index[dst], 1).wait()
+
+    def recv_object(self, src: int):
+        size = torch.zeros(1, dtype=torch.int64)
+        self.pg.recv([size], self.index[src], 0).wait()
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.recv([payload], self.index[src], 1).wait()
+        return _deserialize(payload)
 
     def _host_broadcast(self, t: torch.Tensor, src: int) -> None:
         if self.device.type == "cpu":
@@ -133,3 +138,13 @@ class Bridge:
         on_device = t.to(self.device)
         self.broadcast(on_device, src)
         t.copy_(on_device.cpu())
+
+
+def serialize(obj) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _deserialize(payload: torch.Tensor):
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)

@@ -282,6 +282,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
             tool_calls.append(metrics["rollout/tool_calls/mean"])
         console = validated or step % tc.log_freq == 0 or step == total
         writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)
+        _log_late(writer, trainer.late_metrics, profile_steps)
         if profile:
             print0(_profile_line(step, metrics))
             profile_steps.append(metrics)
@@ -301,6 +302,8 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
     bar.close()
     if remote is not None:
         remote.stop()  # the rollout ranks' last spans come back with their goodbye
+        trainer.late_metrics += trainer.shares.finish()
+        _log_late(writer, trainer.late_metrics, profile_steps)
     if layout.critic_world_size:
         trainer.roles.critic.stop()
     if tc.timeline_dir:
@@ -317,10 +320,20 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
     return code
 
 
+def _log_late(writer, late: list, profile_steps: list) -> None:
+    """Log (and empty) `late`: [(step, metrics)] of steps logged already (split: perf/overlap, perf/idle/*)."""
+    for step, metrics in late:
+        writer.log(metrics, step, console=False)
+        for logged in profile_steps:
+            if logged.get("training/global_step") == step:
+                logged.update(metrics)
+    late.clear()
+
+
 def _write_timeline(trainer, folder: str) -> None:
     """timeline.json under `folder`: every trainer rank's track, and the rollout ranks' in split placement."""
     from hybridrl.timeline import overlap, role_groups, write_trace
-    from hybridrl.trainer.split import rollout_events
+    from hybridrl.trainer.split_perf import rollout_events
 
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, trainer.timeline.events())

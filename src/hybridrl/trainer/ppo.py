@@ -28,7 +28,7 @@ from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.timeline import Timeline
 from hybridrl.trainer.rollout_correction import check_rollout_correction, correct_rollout
-from hybridrl.trainer.split import step_overlap
+from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice,
                                         pad_columns, route_columns)
@@ -56,7 +56,6 @@ class PPOTrainer:
         self.version = 0
         """Policy version: the step whose update the actor's weights hold (0: the initial weights)."""
         self.gen_versions: list = []
-        self.last_window = None
         self.roles, self.reward_fn, self.writer = roles, reward_fn, writer
         self.actor, self.ref, self.critic, self.rollout = roles.actor, roles.ref, roles.critic, roles.rollout
         kl = cfg.algorithm.kl_ctrl
@@ -67,8 +66,14 @@ class PPOTrainer:
         if self.timeline.enabled:
             at = self.timeline.at
             self.timer.on_span = lambda name, start, end: self.timeline.add(name, at(start), at(end))
-            if remote is not None:  # time spent blocked on the rollout ranks is idle, whatever stage holds it
+            if remote is not None:  # time spent blocked on the other roles is idle, whatever stage holds it
                 remote.client.on_wait = lambda start, end: self.timeline.add("wait_rollout", at(start), at(end))
+            if layout.critic_world_size:
+                roles.critic.on_wait = lambda start, end: self.timeline.add("wait_critic", at(start), at(end))
+        self.shares = StepShares(self.timeline, remote.client, bool(cfg.trainer.timeline_dir)) \
+            if remote is not None else None
+        self.late_metrics = []
+        """[(step, metrics)] of earlier steps known only now (split: perf/overlap, perf/idle/*)."""
         self.agent_loop = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
         # hybrid engine: each phase keeps on the device only what it needs (offload.HYBRID_PHASES)
         self.hybrid = PhaseOffload({"actor": Offloader(self.actor.engine.module, self.actor.optimizer, cfg.actor.offload),
@@ -137,14 +142,10 @@ class PPOTrainer:
         t.seconds["step"] = time.perf_counter() - step_start
         metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
         metrics.update(self.staleness_metrics(step))
-        if self.remote is not None:  # the previous step's: its last rollout spans (the generation that
-            # overlapped it at staleness 1, the weight sync that ended it) arrive with this step's batch
-            if self.last_window is not None:
-                metrics["perf/overlap"] = step_overlap(self.timeline, self.remote.client.spans, self.last_window)
-            self.last_window = (self.timeline.at(step_start), self.timeline.at(step_start + t.seconds["step"]))
-            if not cfg.trainer.timeline_dir:  # kept for the next step's overlap only: what it reads
-                self.timeline.trim(self.last_window[0])
-                self.remote.client.trim_spans(self.last_window[0])
+        if self.shares is not None:  # the previous step's figures: its rollout spans came with this batch
+            at = self.timeline.at
+            self.late_metrics += self.shares.ended(step, at(step_start), at(step_start + t.seconds["step"]))
+            metrics.update(self.shares.rows_bytes(step, self.critic, self.groups.device))
         metrics.update(t.metrics())
         return metrics
 

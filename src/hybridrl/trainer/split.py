@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config
-from hybridrl.parallel.split_world import Bridge, SplitWorld
+from hybridrl.parallel.split_world import Bridge, SplitWorld, serialize
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
-from hybridrl.trainer.rollout_rows import join_outputs, output_rows, row_versions
+from hybridrl.trainer.rollout_rows import (full_rows, group_messages, join_outputs, merge_messages, output_rows,
+                                           row_versions, tensor_bytes)
 
 
 class PeerLostError(RuntimeError):
@@ -78,7 +79,13 @@ class RolloutClient:
         """(global rank, phase, start, end) of the rollout ranks, as their answers bring them."""
         self.on_wait = None
         """Called as on_wait(start, end) (perf_counter seconds) after each wait for an answer."""
-        self._send({"kind": "hello", "spec": spec_to_dict(spec)})
+        self.rows_bytes = {}
+        """step -> bytes of row tensors this rank received for that step's batch (perf/rows_bytes)."""
+        self.sync_bytes = {}
+        """version -> bytes this rank sent of those weights (perf/weight_sync_bytes; only SENDER sends)."""
+        dp_of = [None] * dist.get_world_size()
+        dist.all_gather_object(dp_of, groups.dp_rank)
+        self._send({"kind": "hello", "spec": spec_to_dict(spec), "dp_of": dp_of})
 
     def _send(self, msg) -> None:
         with self._peer(f"the {msg['kind'] if msg else 'next'} request" if self.world.rank == SENDER else "a request"):
@@ -98,7 +105,7 @@ class RolloutClient:
         self.answer = ([i for p in parts for i in p[2][1]], [])
         self._send({"kind": "generate", "prompts": [x for p in parts for x in p[0]],
                     "seeds": [s for p in parts for s in p[1]], "sampling": sampling,
-                    "stream": self.cfg.async_training.stream_prompts})
+                    "stream": self.cfg.async_training.stream_prompts, "counts": counts})
         self.owed = (counts, key)
 
     def receive(self):
@@ -110,7 +117,8 @@ class RolloutClient:
         while True:
             start = time.perf_counter()
             with self._peer("generation (waiting for responses)"):
-                msg = self.control.broadcast_object(None, self.world.rollout_leader)
+                msg = self.control.recv_object(self.world.rollout_leader)
+            self.rows_bytes[key[0]] = self.rows_bytes.get(key[0], 0) + tensor_bytes(msg["out"])
             self.wait_s += time.perf_counter() - start
             if self.on_wait is not None:
                 self.on_wait(start, time.perf_counter())
@@ -138,7 +146,9 @@ class RolloutClient:
 
     def send_weights(self, model, version: int) -> dict:
         with self._peer("the weight sync"):
-            return self.sender.send(model, version)
+            report = self.sender.send(model, version)
+        self.sync_bytes[version] = self.sync_bytes.get(version, 0) + report["perf/weight_sync_bytes"]
+        return report
 
     def claim_generation(self) -> bool:
         """Partial rollout: whether the answer in flight is still being generated, in which case the rollout
@@ -158,12 +168,12 @@ class RolloutClient:
 
 
 def my_rows(msg: dict, lo_rank: int, hi_rank: int):
-    """The part of one answer chunk (prompts [msg lo, msg hi) of the request) that falls in this rank's
-    prompts [lo_rank, hi_rank), as (output, lo, hi, version) with lo/hi relative to the rank's prompts."""
+    """The part of one answer message (rows of prompts [msg lo, msg hi) of the request) that falls in this
+    rank's prompts [lo_rank, hi_rank), as (output, lo, hi, version) with lo/hi relative to the rank's prompts."""
     lo, hi = max(msg["lo"], lo_rank), min(msg["hi"], hi_rank)
     if lo < hi:
         n = msg["n"]
-        out = output_rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n))
+        out = full_rows(output_rows(msg["out"], slice((lo - msg["lo"]) * n, (hi - msg["lo"]) * n)))
         yield out, lo - lo_rank, hi - lo_rank, row_versions(out, msg["version"])
 
 
@@ -188,10 +198,11 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
     agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
-    server = _Server(control, world, engine, agent, groups, Timeline(world.rank, "rollout"))
+    server = _Server(control, world, engine, agent, groups, Timeline(world.rank, "rollout"), hello["dp_of"])
     partial = None
     if cfg.async_training.partial_rollout:
-        partial = _PartialWeights(world.store, receiver, engine, world.rank == world.rollout_leader, run_device())
+        partial = _PartialWeights(world.store, receiver, engine, world.rank == world.rollout_leader, run_device(),
+                                  server.timeline)
         engine.between_steps = partial.between_steps
     version = -1  # no weights yet
     while True:
@@ -223,8 +234,8 @@ class _PartialWeights:
     on the rollout world (nccl on GPUs: its flag lives on `device`); a store read is a TCP round trip,
     hence not at every step."""
 
-    def __init__(self, store, receiver, engine, leader: bool, device, poll_steps: int = 4):
-        self.store, self.receiver, self.engine, self.leader = store, receiver, engine, leader
+    def __init__(self, store, receiver, engine, leader: bool, device, timeline=None, poll_steps: int = 4):
+        self.store, self.receiver, self.engine, self.leader, self.timeline = store, receiver, engine, leader, timeline
         self.device, self.poll_steps, self.steps = device, poll_steps, 0
         self.version = -1
 
@@ -247,16 +258,20 @@ class _PartialWeights:
             return False
         if not self._agree(self.leader and self.store.get(PARTIAL_KEY) == b"weights"):
             return False
-        self.version = self.receiver.receive(self.engine)
+        self._receive()
         if self.leader:
             self.store.set(PARTIAL_KEY, "generating")
         return True
+
+    def _receive(self) -> None:
+        with self.timeline.span("update_weights") if self.timeline else contextlib.nullcontext():  # inside `gen`
+            self.version = self.receiver.receive(self.engine)
 
     def end(self) -> None:
         """Generation of the answer is over: close the window, or take weights already on their way."""
         sent = self.leader and self.store.compare_set(PARTIAL_KEY, "generating", "done") == b"weights"
         if self._agree(sent):
-            self.version = self.receiver.receive(self.engine)
+            self._receive()
             if self.leader:
                 self.store.set(PARTIAL_KEY, "done")
 
@@ -266,9 +281,11 @@ class _Server:
     a chunk), each chunk sent from a thread as soon as it is complete, so generation never waits for
     the trainers to take it. Spans of every rollout rank ride along with the answers."""
 
-    def __init__(self, control: Bridge, world: SplitWorld, engine, agent, groups, timeline):
+    def __init__(self, control: Bridge, world: SplitWorld, engine, agent, groups, timeline, dp_of: list):
         self.control, self.world, self.engine, self.agent, self.groups = control, world, engine, agent, groups
-        self.timeline = timeline
+        self.timeline, self.dp_of = timeline, dp_of
+        """dp_of[r]: the DP rank of trainer rank r (the rows it receives are its DP group's)."""
+        self.leader = world.rank == world.rollout_leader
 
     def _take_spans(self) -> list:
         """This rank's spans since the last call, as (global rank, phase, start, end)."""
@@ -277,9 +294,8 @@ class _Server:
         return spans
 
     def gather_spans(self):
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self._take_spans())
-        return [x for part in parts for x in part] if self.world.rank == self.world.rollout_leader else None
+        parts = _to_leader(self._take_spans())
+        return [x for part in parts for x in part] if self.leader else None
 
     def answer(self, msg, version: int, partial=None) -> int:
         """Generate and send one request; returns the weight version the engine holds afterwards (partial
@@ -289,8 +305,9 @@ class _Server:
             partial.version = version
             partial.begin()
         outbox, failed = queue.Queue(), []
-        sender = threading.Thread(target=self._send_all, args=(outbox, failed), daemon=True)
-        sender.start()
+        sender = threading.Thread(target=self._send_all, args=(outbox, failed, msg["counts"]), daemon=True)
+        if self.leader:  # the only rollout rank that talks to the trainers
+            sender.start()
         step = msg["stream"] or max(len(prompts), 1)
         for lo in range(0, max(len(prompts), 1), step):
             if failed:
@@ -305,28 +322,37 @@ class _Server:
                     out = self.engine.generate(prompts[a:b], sampling, seeds[a:b])
             if partial is not None and hi >= len(prompts):
                 partial.end()
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, ((a, b), out if self.groups.tp_rank == 0 else None, self._take_spans()))
-            if self.world.rank == self.world.rollout_leader:
+            parts = _to_leader(((a, b), out if self.groups.tp_rank == 0 else None, self._take_spans()))
+            if self.leader:
                 outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
                 outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": start_version, "last": hi >= len(prompts),
                             "out": join_outputs(outs, self.engine.pad_id) if outs else out,
                             "spans": [x for _, _, part in parts for x in part]})
-            else:
-                outbox.put(None)
         outbox.put(StopIteration)
-        sender.join()
+        if self.leader:
+            sender.join()
         if failed:
             raise failed[0]
         return partial.version if partial is not None else version
 
-    def _send_all(self, outbox, failed) -> None:
+    def _send_all(self, outbox, failed, counts: list) -> None:
+        """Each trainer rank gets its DP group's rows of each chunk (every rank of the group the same)."""
         while (msg := outbox.get()) is not StopIteration:
             try:
-                self.control.broadcast_object(msg, self.world.rollout_leader)
+                for d, part in group_messages(msg, counts):
+                    payload = serialize(part)
+                    for rank in (r for r, dp in enumerate(self.dp_of) if dp == d):
+                        self.control.send_object(payload, rank)
             except BaseException as err:  # re-raised on the main thread
                 failed.append(err)
                 return
+
+
+def _to_leader(obj) -> list | None:
+    """`obj` of every rollout rank, in rank order, on the rollout leader (None elsewhere)."""
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
 
 
 def _replica_share(lo: int, hi: int, groups) -> tuple[int, int]:
@@ -427,7 +453,9 @@ class Pipeline:
         if self.saved_answer is None or self.saved_answer[0] not in self.held:
             return None
         key, indices, messages = self.saved_answer
-        return {"step": key[0], "indices": indices, "messages": messages}
+        parts = [None] * self.client.groups.dp
+        dist.all_gather_object(parts, messages, group=self.client.groups.dp_group)
+        return {"step": key[0], "indices": indices, "messages": merge_messages(parts, self.client.pad_id)}
 
     def restore(self, state: dict) -> None:
         """Hold a checkpoint's in-flight batch for its step; each rank takes the rows of its own prompts."""
@@ -458,26 +486,3 @@ class Pipeline:
 def _onload(onload) -> None:
     if onload is not None:
         onload()
-
-
-def rollout_events(spans: list) -> list:
-    """Chrome-trace events of the rollout ranks' (global rank, phase, start, end) spans."""
-    from hybridrl.timeline import Timeline
-
-    tracks = {}
-    for rank, name, start, end in spans:
-        tracks.setdefault(rank, Timeline(rank, "rollout")).add(name, start, end)
-    return [e for tl in tracks.values() for e in tl.events()]
-
-
-def step_overlap(timeline, rollout_spans: list, window: tuple) -> float:
-    """Share of the window in which this trainer rank and some rollout rank both compute (waits excluded)."""
-    from hybridrl.timeline import overlap
-
-    lo = window[0]
-    mine = [e for e in timeline.events() if e["ph"] != "X" or (e["ts"] + e["dur"]) / 1e6 >= lo]
-    theirs = rollout_events([s for s in rollout_spans if s[3] >= lo])
-    ranks = {e["tid"] for e in theirs if e["ph"] == "X"}
-    if not ranks:
-        return 0.0
-    return overlap(mine + theirs, {"trainer": {timeline.rank}, "rollout": ranks}, (window[0] * 1e6, window[1] * 1e6))

@@ -3,23 +3,34 @@
 The c ranks just before the rollout ranks hold the critic at `critic.tensor_model_parallel_size` /
 `pipeline_model_parallel_size` in a megatron-core world of their own. The trainers' rank 0 talks to
 them over the `critic` bridge: `values` (a forward over the step's batch) and `update` (the clipped
-value-loss update) carry the DP-gathered batch columns the critic needs; each critic DP rank takes its
-slice, and the critic's first rank answers with the gathered values or the update's metrics. A request
+value-loss update) carry the DP-gathered batch columns the critic needs, once per step (`update` adds only
+the returns to what `values` brought; token ids int32, masks bool); each critic DP rank takes its slice,
+and the critic's first rank answers with the gathered values or the update's metrics. A request
 is sent before the actor's own work and answered after it, so the critic's values pass overlaps the
 actor's log-prob passes and the two updates run at the same time. `save` / `load` write and read the
 critic's part of a checkpoint folder with dist_checkpointing over the critic ranks.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld
+from hybridrl.trainer.rollout_rows import tensor_bytes
 from hybridrl.trainer.step_batch import gather_dp, local_slice
 
 VALUE_KEYS = ("input_ids", "attention_mask", "response_mask")
 UPDATE_KEYS = VALUE_KEYS + ("values", "returns")
+MASKS = ("attention_mask", "response_mask")
+
+
+def _wire(key: str, t: torch.Tensor):
+    """(column as it crosses: ids int32, 0/1 masks bool, others as they are; its dtype on arrival)."""
+    small = t.int() if key == "input_ids" else t.bool() if key in MASKS else t
+    return small, t.dtype
 
 
 def critic_bridge(world: SplitWorld) -> Bridge | None:
@@ -36,23 +47,40 @@ class RemoteCritic:
         self.world, self.groups = world, groups
         self.bridge = critic_bridge(world)
         self.leader = world.ranks_of("critic")[0]
+        self.on_wait = None
+        """Called as on_wait(start, end) (perf_counter seconds) around each exchange with the critic ranks."""
+        self.rows_bytes = 0
+        """Bytes of batch columns the critic ranks received from this rank (perf/rows_bytes)."""
+        self.sent = None
+        """The batch whose columns the critic ranks hold (from its `values` request)."""
         self._send({"kind": "hello", "folder": hf_folder, "total_steps": total_steps})
+
+    def _waited(self, start: float) -> None:
+        if self.on_wait is not None:
+            self.on_wait(start, time.perf_counter())
 
     def _send(self, msg) -> None:
         if self.bridge is not None:
+            self.rows_bytes += tensor_bytes(msg.get("batch", {})) * (len(self.bridge.members) - 1)
             self.bridge.broadcast_object(msg, 0)
 
     def _answer(self):
         """The critic leader's answer, on every trainer rank."""
+        start = time.perf_counter()
         box = [self.bridge.broadcast_object(None, self.leader) if self.bridge is not None else None]
         dist.broadcast_object_list(box, src=0)
+        self._waited(start)
         return box[0]
 
-    def _columns(self, batch, keys) -> dict:
-        return {k: gather_dp(batch[k], self.groups).cpu() for k in keys}
+    def _request(self, kind: str, batch, keys, **more) -> None:
+        start = time.perf_counter()
+        columns = {k: _wire(k, gather_dp(batch[k], self.groups).cpu()) for k in keys}
+        self._send({"kind": kind, "batch": columns, **more})
+        self._waited(start)
 
     def request_values(self, batch) -> None:
-        self._send({"kind": "values", "batch": self._columns(batch, VALUE_KEYS)})
+        self.sent = batch
+        self._request("values", batch, VALUE_KEYS)
 
     def values(self) -> torch.Tensor:
         return local_slice(self._answer(), self.groups).to(self.groups.device)
@@ -62,7 +90,10 @@ class RemoteCritic:
         return self.values()
 
     def request_update(self, batch, apply: bool = True) -> None:
-        self._send({"kind": "update", "batch": self._columns(batch, UPDATE_KEYS), "apply": apply})
+        """The critic ranks still hold the columns and values of this batch's `values` request: returns only."""
+        held = batch is self.sent
+        self.sent = None
+        self._request("update", batch, ("returns",) if held else UPDATE_KEYS, apply=apply, held=held)
 
     def update_metrics(self) -> dict:
         return self._answer()
@@ -104,6 +135,7 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
     worker = build_critic_worker(cfg, groups, hello["folder"], hello["total_steps"])
     batching = resolve_batching(cfg)
     lead = world.rank == world.ranks_of("critic")[0]
+    held = {}  # the columns and values of the last `values` request, for the update that follows it
     while True:
         msg = bridge.broadcast_object(None, 0)
         kind = msg["kind"]
@@ -111,10 +143,13 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
             return 0
         answer = None
         if kind in ("values", "update"):
-            batch = {k: local_slice(v, groups).to(groups.device) for k, v in msg["batch"].items()}
+            batch = {k: local_slice(v, groups).to(groups.device, dtype) for k, (v, dtype) in msg["batch"].items()}
             if kind == "values":
-                answer = gather_dp(worker.compute_values(batch, batching.critic_values), groups).cpu()
+                held = batch
+                held["values"] = worker.compute_values(batch, batching.critic_values)
+                answer = gather_dp(held["values"], groups).cpu()
             else:
+                batch, held = ({**held, **batch} if msg["held"] else batch), {}
                 answer = worker.update_critic(batch, mini_batch_samples // groups.dp,
                                               batching.critic_update, apply=msg["apply"])
         elif kind == "save":

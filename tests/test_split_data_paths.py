@@ -1,0 +1,123 @@
+"""Split placement's data paths: each trainer DP group receives only its own rows (trimmed, int32 token ids),
+the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula, and
+`perf/overlap` / `perf/idle/*` against a hand computation from the run's own span timeline."""
+import os
+
+import pytest
+import torch
+
+from test_split_placement import _hf_weights
+from test_trainer import _torchrun, read_scalars
+
+from hybridrl.rollout.base import RolloutOutput
+from hybridrl.trainer.rollout_rows import compact_rows, full_rows, group_messages, merge_messages, tensor_bytes
+
+PAD = 0
+
+
+def _output(lengths, width=6):
+    """Rows whose response i holds lengths[i] real tokens (ids 10 + column), right-padded to `width`."""
+    rows = len(lengths)
+    mask = torch.tensor([[1.0 if j < n else 0.0 for j in range(width)] for n in lengths])
+    ids = torch.where(mask > 0, torch.arange(width).expand(rows, width) + 10, torch.full((rows, width), PAD))
+    routes = torch.arange(rows * (3 + width), dtype=torch.int16).reshape(rows, 3 + width, 1, 1)  # 3 prompt columns
+    return RolloutOutput(ids.long(), mask, torch.randn(rows, width) * mask, {"rollout/generated_tokens": 9},
+                         routed_experts=routes)
+
+
+def test_each_dp_group_gets_its_rows_trimmed_and_int32():
+    """A chunk of prompts 1..4 (n = 2) cut for DP groups of prompts [0, 2) and [2, 5): rows of prompts
+    1 and 2, 3 and 4 each, cut at their own widest row, token ids int32 and masks bool; merged back, the
+    whole chunk as the engine gave it (the checkpoint of an in-flight batch)."""
+    out = _output([1, 2, 1, 1, 5, 3, 2, 1])
+    msg = {"lo": 1, "hi": 5, "n": 2, "version": 3, "last": True, "out": out, "spans": []}
+    parts = dict(group_messages(msg, [2, 3]))
+    a, b = parts[0], parts[1]
+    assert (a["lo"], a["hi"], b["lo"], b["hi"]) == (1, 2, 2, 5)
+    assert a["out"].responses.shape == (2, 2) and b["out"].responses.shape == (6, 5)
+    assert a["out"].responses.dtype == torch.int32 and a["out"].response_mask.dtype == torch.bool
+    torch.testing.assert_close(full_rows(b["out"]).responses, out.responses[2:, :5])
+    torch.testing.assert_close(full_rows(b["out"]).log_probs, out.log_probs[2:, :5])
+    torch.testing.assert_close(a["out"].routed_experts, out.routed_experts[:2, :3 + 2])  # prompt + its 2 columns
+    # bytes: 2 x 2 and 6 x 5 tokens of 4 (ids) + 1 (mask) + 4 (log-prob) bytes, routes 2 bytes a column
+    routes = (2 * 5 + 6 * 8) * 2
+    assert tensor_bytes(a["out"]) + tensor_bytes(b["out"]) == (2 * 2 + 6 * 5) * 9 + routes
+    whole = merge_messages([[a], [b]], PAD)[0]
+    assert (whole["lo"], whole["hi"]) == (1, 5)
+    torch.testing.assert_close(whole.pop("out").responses, out.responses[:, :5])
+    # a group without prompts in the chunk gets an empty message (it still learns the answer ended)
+    empty = dict(group_messages(msg, [1, 4, 0]))[2]
+    assert empty["lo"] == empty["hi"] and empty["out"].responses.shape[0] == 0
+    assert compact_rows(_output([0, 0])).responses.shape == (2, 0)
+
+
+# 2 trainers (DP 2) + 2 rollout ranks (one engine at rollout TP 2), staleness 1, 3 steps: rows per DP group,
+# the weights once per update, the timeline written for the hand computation of the overlap
+DP2_TP2 = ["placement.mode=split", "placement.rollout_world_size=2", "rollout.tensor_model_parallel_size=2",
+           "async_training.staleness_threshold=1", "trainer.total_training_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp2_tp2")
+    _torchrun(tmp, 4, DP2_TP2 + [f"trainer.timeline_dir={tmp}/tl", f"trainer.export_hf_dir={tmp}/hf"])
+    return tmp
+
+
+@pytest.mark.slow
+def test_bytes_between_roles_follow_their_formula(dp2_tp2):
+    """perf/rows_bytes: 4 prompts x n 2 = 8 rows, each trainer rank (one per DP group) receives its 4 rows of
+    4 response tokens (max_response_length; some row of each group reaches it), 9 bytes a token (int32 id,
+    bool mask, fp32 log-prob): 8 x 4 x 9 = 288 bytes, where the whole batch as int64/float32 to every member
+    of the control bridge (3) was 8 x 4 x 16 x 3 = 1536 (torch.save headers aside). perf/weight_sync_bytes:
+    every HF tensor once, as the exported model holds them, for each update that went out: update 2's never
+    did (batch 3 was already generated, and update 3's replaced it before any batch needed it)."""
+    scalars = read_scalars(dp2_tp2)
+    assert scalars["response_length/max"] == {1: 4.0, 2: 4.0, 3: 4.0}
+    assert scalars["perf/rows_bytes"] == {1: 288.0, 2: 288.0, 3: 288.0}
+    weights = sum(t.numel() * t.element_size() for t in _hf_weights(dp2_tp2 / "hf").values())
+    assert scalars["perf/weight_sync_bytes"] == {1: weights, 2: 0.0, 3: weights}
+
+
+def _shares_by_hand(events, step):
+    """(overlap, idle trainer, idle rollout) of `step` on trainer rank 0, by sweeping the elementary
+    segments between all span edges: a rank computes in a segment when a span covers it whose name is not a
+    wait or the weight transfer, and no such wait or transfer span covers it."""
+    marks = {e["name"]: e["ts"] for e in events if e["ph"] == "i" and e["tid"] == 0}
+    lo, hi = marks[f"step {step}"], marks[f"step {step} end"]
+    spans = [(e["tid"], e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X"]
+    rollout = {tid for tid, _, _, _ in spans if tid >= 2}
+    assert rollout == {2, 3}
+    edges = sorted({lo, hi} | {t for _, _, s, e in spans for t in (s, e) if lo < t < hi})
+
+    def computes(tid, t):
+        idle = [n.startswith("wait") or n == "update_weights" for r, n, s, e in spans if r == tid and s <= t < e]
+        return bool(idle) and not any(idle)
+
+    both = mine = theirs = 0.0
+    for s, e in zip(edges, edges[1:]):
+        mid = (s + e) / 2
+        t, r = computes(0, mid), any(computes(tid, mid) for tid in rollout)
+        both, mine, theirs = both + (e - s) * (t and r), mine + (e - s) * t, theirs + (e - s) * r
+    width = hi - lo
+    return both / width, 1 - mine / width, 1 - theirs / width
+
+
+@pytest.mark.slow
+def test_overlap_and_idle_by_hand_from_the_timeline(dp2_tp2):
+    """Every step's perf/overlap and perf/idle/* (logged under that step, the last one too) equal the hand
+    computation over that step's window on the run's timeline; the rollout ranks did compute while the
+    trainer did (staleness 1), and weights in transit count as no one's compute."""
+    from hybridrl.timeline import read_trace
+
+    scalars = read_scalars(dp2_tp2)
+    events = read_trace(str(dp2_tp2 / "tl" / "timeline.json"))
+    assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] >= 2} >= {"gen", "update_weights"}
+    for step in (1, 2, 3):
+        overlap, idle_trainer, idle_rollout = _shares_by_hand(events, step)
+        assert scalars["perf/overlap"][step] == pytest.approx(overlap, abs=1e-6)
+        assert scalars["perf/idle/trainer"][step] == pytest.approx(idle_trainer, abs=1e-6)
+        assert scalars["perf/idle/rollout"][step] == pytest.approx(idle_rollout, abs=1e-6)
+    assert max(scalars["perf/overlap"].values()) > 0
+    assert all(0 < scalars["perf/idle/trainer"][s] < 1 for s in (1, 2, 3))
+    assert os.path.exists(dp2_tp2 / "hf")
