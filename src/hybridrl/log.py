@@ -91,13 +91,17 @@ def run_cli(main, *args) -> int:
     """`main(*args)`'s exit code; a user error (USER_ERRORS, UsageError, or the file system refusing a
     named path: a missing input, an output folder that is read-only or full) prints one `error: ...`
     line on stderr and gives EXIT_USER_ERROR. Any other exception is a bug and keeps its traceback."""
+    hard = False
     try:
         return main(*args) or 0
     except user_errors() as err:
-        message = str(err)
+        message, hard = str(err), getattr(err, "exit_at_once", False)
     except OSError as err:
         if err.filename is None:
             raise
         message = os_error_message(err)
     print(f"error: {message}", file=sys.stderr, flush=True)
+    if hard:  # a peer that hangs keeps its connections open: tearing down the process groups would wait on it
+        sys.stdout.flush()
+        os._exit(EXIT_USER_ERROR)
     return EXIT_USER_ERROR

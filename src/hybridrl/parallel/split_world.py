@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hybridrl.parallel import liveness
+
 TRAIN, CRITIC, ROLLOUT = "train", "critic", "rollout"
 
 
@@ -71,6 +73,7 @@ def init_split_world(le, rollout_world_size: int, timeout_s: int = 600, critic_w
     # failed, and c10d logged an [E] line at every start)
     host = le.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     store = dist.TCPStore(le.master_addr, le.master_port, le.world_size, host, timeout)
+    liveness.start(store, le.rank, le.world_size, timeout_s)  # every role beats from now on
     world = SplitWorld(le.rank, le.world_size, rollout_world_size, store, timeout, critic_world_size)
     mine = world.ranks_of(world.role)
     first, size = mine[0], len(mine)
@@ -82,9 +85,16 @@ def init_split_world(le, rollout_world_size: int, timeout_s: int = 600, critic_w
     return world
 
 
+IDLE_TIMEOUT = timedelta(days=7)
+"""A bridge's op timeout: waits between roles may be idle for long by design (a generation, a checkpoint
+save); a dead member is found by its heartbeats (`liveness.wait_alive`), not by a timeout."""
+
+
 class Bridge:
     """A process group over some global ranks of the job (`members`, in that order), outside the role
-    worlds. Every member must make the same calls in the same order; `src` is a global rank."""
+    worlds. Every member must make the same calls in the same order; `src` is a global rank. Every wait
+    (start-up included: the group is built once all members arrived) lasts as long as the other members
+    beat, and ends with `liveness.PeerDied` when one stops."""
 
     def __init__(self, world: SplitWorld, name: str, members: list[int], backend: str = "gloo"):
         self.members = list(members)
@@ -92,21 +102,29 @@ class Bridge:
         self.device = torch.device("cpu")
         store = dist.PrefixStore(f"bridge/{name}", world.store)
         me = self.index[world.rank]
+        store.set(f"here/{me}", "1")
+        for i in range(len(self.members)):
+            liveness.wait_key(store, f"here/{i}", self.members)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.pg = dist.ProcessGroupNCCL(store, me, len(self.members))
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = IDLE_TIMEOUT  # (its default ignored trainer.dist_timeout_s, and idle waits hit it)
+            self.pg = dist.ProcessGroupNCCL(store, me, len(self.members), opts)
         else:
-            self.pg = dist.ProcessGroupGloo(store, me, len(self.members), world.timeout)
-        self.rank = world.rank
+            self.pg = dist.ProcessGroupGloo(store, me, len(self.members), IDLE_TIMEOUT)
+        self.rank, self.store, self.messages = world.rank, store, {}
+
+    def _wait(self, work) -> None:
+        liveness.wait_alive(work, self.members)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = self.index[src]
-        self.pg.broadcast([tensor], opts).wait()
+        self._wait(self.pg.broadcast([tensor], opts))
         return tensor
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.pg.allreduce([tensor]).wait()
+        self._wait(self.pg.allreduce([tensor]))
         return tensor
 
     def broadcast_object(self, obj, src: int):
@@ -120,16 +138,26 @@ class Bridge:
         return obj if self.rank == src else _deserialize(payload)
 
     def send_object(self, payload: torch.Tensor, dst: int) -> None:
-        """Bytes from `serialize` to the member `dst` only (it calls `recv_object`); host groups (gloo)."""
-        self.pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], self.index[dst], 0).wait()
-        self.pg.send([payload], self.index[dst], 1).wait()
+        """Bytes from `serialize` to the member `dst` only (it calls `recv_object`); host groups (gloo).
+        A store key announces each message and its size: the receiver waits on it, polling the sender's
+        heartbeats (a gloo recv cannot be polled), then receives bytes already on their way."""
+        key = self._bell(self.rank, dst)
+        self.store.set(key, str(payload.numel()))
+        self.pg.send([payload], self.index[dst], 0).wait()
 
     def recv_object(self, src: int):
-        size = torch.zeros(1, dtype=torch.int64)
-        self.pg.recv([size], self.index[src], 0).wait()
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.pg.recv([payload], self.index[src], 1).wait()
+        key = self._bell(src, self.rank)
+        liveness.wait_key(self.store, key, [src])
+        payload = torch.empty(int(self.store.get(key)), dtype=torch.uint8)
+        self.store.delete_key(key)
+        self.pg.recv([payload], self.index[src], 0).wait()
         return _deserialize(payload)
+
+    def _bell(self, src: int, dst: int) -> str:
+        """The store key of the next message from `src` to `dst` (both count the messages of the pair)."""
+        n = self.messages.get((src, dst), 0)
+        self.messages[(src, dst)] = n + 1
+        return f"bell/{src}-{dst}/{n}"
 
     def _host_broadcast(self, t: torch.Tensor, src: int) -> None:
         if self.device.type == "cpu":

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint, load_checkpoint, naming_damage
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
+from hybridrl.parallel import liveness
 from hybridrl.trainer.ppo import PPOTrainer, TrainingError
 
 CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
@@ -139,7 +140,10 @@ def start_split(cfg: Config):
 
     setup_logging()
     ignore_stop_signals()
-    return world, (serve_rollout if world.role == "rollout" else serve_critic)(cfg, world)
+    try:
+        return world, (serve_rollout if world.role == "rollout" else serve_critic)(cfg, world)
+    finally:
+        liveness.stop()
 
 
 def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
@@ -159,6 +163,7 @@ def main_loop(cfg: Config, dry_run: bool = False, profile: bool = False) -> int:
         return code
     finally:
         _stop_rollout(remote, done)
+        liveness.stop()
 
 
 def _stop_rollout(remote, done: bool) -> None:
@@ -232,7 +237,8 @@ def _naming_dead_ranks(watchdog):
     from hybridrl.parallel.liveness import Heartbeats, is_peer_lost
     from hybridrl.trainer.split import PeerLostError
 
-    beats = Heartbeats() if dist.get_world_size() > 1 else None
+    own = liveness.beating() is None and dist.get_world_size() > 1  # split placement: every rank beats already
+    beats = Heartbeats() if own else liveness.beating()
     try:
         yield
     except Exception as err:
@@ -243,7 +249,7 @@ def _naming_dead_ranks(watchdog):
         raise PeerLostError(f"{who} died during {phase} ({str(err).splitlines()[0][:160]}); the job stops: "
                             "resume from the last checkpoint (trainer.resume_mode=auto)") from None
     finally:
-        if beats is not None:
+        if own:
             beats.close()
 
 

@@ -24,6 +24,7 @@ from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld, serialize
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
+from hybridrl.trainer.split_partial import PARTIAL_KEY, _PartialWeights
 from hybridrl.trainer.rollout_rows import (full_rows, group_messages, join_outputs, merge_messages, output_rows,
                                            row_versions, tensor_bytes)
 
@@ -31,16 +32,23 @@ from hybridrl.trainer.rollout_rows import (full_rows, group_messages, join_outpu
 class PeerLostError(RuntimeError):
     """The other role stopped answering (its process died or broke off); names role, ranks and phase."""
 
+    exit_at_once = True
+    """The process ends right after its error line (hybridrl.log.run_cli): nothing can be said to a hung peer."""
+
 
 @contextlib.contextmanager
-def _talking_to(role: str, ranks: list, phase: str):
-    """Turn a broken connection to the other role into one PeerLostError naming who and when."""
+def talking_to(role: str, ranks: list, phase: str):
+    """Turn a broken connection to the other role, or its silent heartbeats, into one PeerLostError naming
+    who and when."""
     try:
         yield
     except PeerLostError:
         raise
     except (RuntimeError, ConnectionError) as err:  # gloo/nccl report a dead peer as RuntimeError subclasses
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        dead = getattr(err, "ranks", None)  # liveness.PeerDied: the silent ranks themselves
+        if dead:
+            role, ranks = (role if set(dead) <= set(ranks) else "a"), dead
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
         raise PeerLostError(f"{role} {who} died or stopped answering during {phase} ({reason}); "
                             f"the job stops: see that rank's log, then resume from the last checkpoint") from None
@@ -65,9 +73,12 @@ class RolloutClient:
         from hybridrl.models.hf_config import spec_to_dict
 
         self.cfg, self.world, self.groups, self.pad_id = cfg, world, groups, pad_id
-        self.control = control_bridge(world)
+        self.lost = False
         r = cfg.rollout
-        self.sender = WeightSender(weights_bridge(world), groups, spec, r.update_weights_bucket_mb, r.verify_weights)
+        with self._peer("start-up"):
+            self.control = control_bridge(world)
+            self.sender = WeightSender(weights_bridge(world), groups, spec, r.update_weights_bucket_mb,
+                                       r.verify_weights)
         self.owed = None
         """The request whose answer has not been received yet: (rows per DP rank, key)."""
         self.answer = ([], [])
@@ -91,8 +102,14 @@ class RolloutClient:
         with self._peer(f"the {msg['kind'] if msg else 'next'} request" if self.world.rank == SENDER else "a request"):
             self.control.broadcast_object(msg if self.world.rank == SENDER else None, SENDER)
 
+    @contextlib.contextmanager
     def _peer(self, phase: str):
-        return _talking_to("rollout", self.world.rollout_ranks, phase)
+        try:
+            with talking_to("rollout", self.world.rollout_ranks, phase):
+                yield
+        except PeerLostError:
+            self.lost = True  # nothing more to say to the rollout ranks (`Pipeline.stop` skips its goodbye)
+            raise
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, prompt_ids: list, seeds: list, sampling: SamplingParams, key) -> None:
@@ -189,12 +206,12 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     from hybridrl.tokenizer import load_tokenizer
     from hybridrl.trainer.roles import build_rollout
 
-    control = control_bridge(world)
-    receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     trainers = world.ranks_of("train")
-    with _talking_to("trainer", trainers, "start-up"):
+    with talking_to("trainer", trainers, "start-up"):  # the trainers may build their models for long
+        control = control_bridge(world)
+        receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
         hello = control.broadcast_object(None, SENDER)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
     agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
@@ -206,74 +223,18 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
         engine.between_steps = partial.between_steps
     version = -1  # no weights yet
     while True:
-        with _talking_to("trainer", trainers, "the wait for a request"), server.timeline.span("wait_request"):
+        with talking_to("trainer", trainers, "the wait for a request"), server.timeline.span("wait_request"):
             msg = control.broadcast_object(None, SENDER)
         if msg["kind"] == "stop":
-            with _talking_to("trainer", trainers, "the end of the run"):
+            with talking_to("trainer", trainers, "the end of the run"):
                 control.broadcast_object(server.gather_spans(), world.rollout_leader)
             return 0
         if msg["kind"] == "weights":
-            with _talking_to("trainer", trainers, "the weight sync"), server.timeline.span("update_weights"):
+            with talking_to("trainer", trainers, "the weight sync"), server.timeline.span("update_weights"):
                 version = receiver.receive(engine)
             continue
-        with _talking_to("trainer", trainers, "sending responses"):
+        with talking_to("trainer", trainers, "sending responses"):
             version = server.answer(msg, version, partial)
-
-
-PARTIAL_KEY = "partial_rollout/state"
-"""Store key of the partial-rollout handshake: "generating" (an answer is in the works), "weights" (the
-trainers are sending new weights: take them at the next decode step) or "done" (generation finished)."""
-
-
-class _PartialWeights:
-    """Partial rollout on the rollout ranks (one engine replica): every `poll_steps` decode steps the
-    replica's first rank looks at the handshake key, every rank of the replica agrees, and new weights are
-    taken in place; generation goes on with them. The trainers only send mid-answer after switching the key
-    from "generating" to "weights" (compare-and-set), and the replica ends an answer by switching it to
-    "done" the same way, so a weight send is never left without a receiver. The agreement is a broadcast
-    on the rollout world (nccl on GPUs: its flag lives on `device`); a store read is a TCP round trip,
-    hence not at every step."""
-
-    def __init__(self, store, receiver, engine, leader: bool, device, timeline=None, poll_steps: int = 4):
-        self.store, self.receiver, self.engine, self.leader, self.timeline = store, receiver, engine, leader, timeline
-        self.device, self.poll_steps, self.steps = device, poll_steps, 0
-        self.version = -1
-
-    def _agree(self, value: bool) -> bool:
-        """The leader's `value` on every rank of the replica."""
-        if dist.get_world_size() == 1:
-            return value
-        flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=self.device)
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
-
-    def begin(self) -> None:
-        self.steps = 0
-        if self.leader:
-            self.store.set(PARTIAL_KEY, "generating")
-
-    def between_steps(self) -> bool:
-        self.steps += 1
-        if self.steps % self.poll_steps:
-            return False
-        if not self._agree(self.leader and self.store.get(PARTIAL_KEY) == b"weights"):
-            return False
-        self._receive()
-        if self.leader:
-            self.store.set(PARTIAL_KEY, "generating")
-        return True
-
-    def _receive(self) -> None:
-        with self.timeline.span("update_weights") if self.timeline else contextlib.nullcontext():  # inside `gen`
-            self.version = self.receiver.receive(self.engine)
-
-    def end(self) -> None:
-        """Generation of the answer is over: close the window, or take weights already on their way."""
-        sent = self.leader and self.store.compare_set(PARTIAL_KEY, "generating", "done") == b"weights"
-        if self._agree(sent):
-            self._receive()
-            if self.leader:
-                self.store.set(PARTIAL_KEY, "done")
 
 
 class _Server:
@@ -476,7 +437,7 @@ class Pipeline:
 
     def stop(self) -> None:
         """Release the rollout ranks (once; the answer in flight is received first)."""
-        if self.client.control is None:
+        if self.client.control is None or self.client.lost:
             return
         self.drain()
         self.client.stop()

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config
+from hybridrl.parallel import liveness
 from hybridrl.parallel.split_world import Bridge, SplitWorld
+from hybridrl.trainer.split import talking_to
 from hybridrl.trainer.rollout_rows import tensor_bytes
 from hybridrl.trainer.step_batch import gather_dp, local_slice
 
@@ -36,7 +38,13 @@ def _wire(key: str, t: torch.Tensor):
 def critic_bridge(world: SplitWorld) -> Bridge | None:
     if world.role == "rollout" or (world.role == "train" and world.rank != 0):
         return None
-    return Bridge(world, "critic", [0] + world.ranks_of("critic"))
+    with talking_to(*_other_role(world), "start-up"):
+        return Bridge(world, "critic", [0] + world.ranks_of("critic"))
+
+
+def _other_role(world: SplitWorld) -> tuple:
+    """(role, ranks) at the other end of the critic bridge."""
+    return ("trainer", [0]) if world.role == "critic" else ("critic", world.ranks_of("critic"))
 
 
 class RemoteCritic:
@@ -53,6 +61,7 @@ class RemoteCritic:
         """Bytes of batch columns the critic ranks received from this rank (perf/rows_bytes)."""
         self.sent = None
         """The batch whose columns the critic ranks hold (from its `values` request)."""
+        self.answers = 0
         self._send({"kind": "hello", "folder": hf_folder, "total_steps": total_steps})
 
     def _waited(self, start: float) -> None:
@@ -62,12 +71,22 @@ class RemoteCritic:
     def _send(self, msg) -> None:
         if self.bridge is not None:
             self.rows_bytes += tensor_bytes(msg.get("batch", {})) * (len(self.bridge.members) - 1)
-            self.bridge.broadcast_object(msg, 0)
+            with talking_to("critic", self.world.ranks_of("critic"), f"the {msg['kind']} request"):
+                self.bridge.broadcast_object(msg, 0)
 
     def _answer(self):
-        """The critic leader's answer, on every trainer rank."""
-        start = time.perf_counter()
-        box = [self.bridge.broadcast_object(None, self.leader) if self.bridge is not None else None]
+        """The critic leader's answer, on every trainer rank: the others wait for rank 0 to have it on a store
+        key (as long as the critic ranks and rank 0 beat), not in a collective that would time out."""
+        start, key = time.perf_counter(), f"critic/answer/{self.answers}"
+        self.answers += 1
+        with talking_to("critic", self.world.ranks_of("critic"), "a wait for the critic"):
+            box = [self.bridge.broadcast_object(None, self.leader) if self.bridge is not None else None]
+            if self.bridge is not None:
+                self.world.store.set(key, "1")
+                if self.answers > 1:
+                    self.world.store.delete_key(f"critic/answer/{self.answers - 2}")
+            else:
+                liveness.wait_key(self.world.store, key, [0] + self.world.ranks_of("critic"))
         dist.broadcast_object_list(box, src=0)
         self._waited(start)
         return box[0]
@@ -130,14 +149,16 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
     torch.manual_seed(cfg.trainer.seed)
     groups = init_model_parallel(cfg.critic.tensor_model_parallel_size, cfg.critic.pipeline_model_parallel_size,
                                  seed=cfg.trainer.seed)
-    hello = bridge.broadcast_object(None, 0)
+    with talking_to("trainer", [0], "start-up"):
+        hello = bridge.broadcast_object(None, 0)
     mini_batch_samples = cfg.critic.ppo_mini_batch_size * cfg.rollout.n
     worker = build_critic_worker(cfg, groups, hello["folder"], hello["total_steps"])
     batching = resolve_batching(cfg)
     lead = world.rank == world.ranks_of("critic")[0]
     held = {}  # the columns and values of the last `values` request, for the update that follows it
     while True:
-        msg = bridge.broadcast_object(None, 0)
+        with talking_to("trainer", [0], "the wait for a request"):
+            msg = bridge.broadcast_object(None, 0)
         kind = msg["kind"]
         if kind == "stop":
             return 0
@@ -159,4 +180,5 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
                 load_role(worker, msg["folder"], "critic")
             except CheckpointError as err:
                 answer = str(err)
-        bridge.broadcast_object(answer if lead else None, world.ranks_of("critic")[0])
+        with talking_to("trainer", [0], f"the answer to {kind}"):
+            bridge.broadcast_object(answer if lead else None, world.ranks_of("critic")[0])

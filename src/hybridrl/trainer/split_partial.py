@@ -1,0 +1,63 @@
+"""Partial rollout on the rollout ranks of split placement: new weights taken between two decode steps."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+PARTIAL_KEY = "partial_rollout/state"
+"""Store key of the partial-rollout handshake: "generating" (an answer is in the works), "weights" (the
+trainers are sending new weights: take them at the next decode step) or "done" (generation finished)."""
+
+
+class _PartialWeights:
+    """Partial rollout on the rollout ranks (one engine replica): every `poll_steps` decode steps the
+    replica's first rank looks at the handshake key, every rank of the replica agrees, and new weights are
+    taken in place; generation goes on with them. The trainers only send mid-answer after switching the key
+    from "generating" to "weights" (compare-and-set), and the replica ends an answer by switching it to
+    "done" the same way, so a weight send is never left without a receiver. The agreement is a broadcast
+    on the rollout world (nccl on GPUs: its flag lives on `device`); a store read is a TCP round trip,
+    hence not at every step."""
+
+    def __init__(self, store, receiver, engine, leader: bool, device, timeline=None, poll_steps: int = 4):
+        self.store, self.receiver, self.engine, self.leader, self.timeline = store, receiver, engine, leader, timeline
+        self.device, self.poll_steps, self.steps = device, poll_steps, 0
+        self.version = -1
+
+    def _agree(self, value: bool) -> bool:
+        """The leader's `value` on every rank of the replica."""
+        if dist.get_world_size() == 1:
+            return value
+        flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def begin(self) -> None:
+        self.steps = 0
+        if self.leader:
+            self.store.set(PARTIAL_KEY, "generating")
+
+    def between_steps(self) -> bool:
+        self.steps += 1
+        if self.steps % self.poll_steps:
+            return False
+        if not self._agree(self.leader and self.store.get(PARTIAL_KEY) == b"weights"):
+            return False
+        self._receive()
+        if self.leader:
+            self.store.set(PARTIAL_KEY, "generating")
+        return True
+
+    def _receive(self) -> None:
+        with self.timeline.span("update_weights") if self.timeline else contextlib.nullcontext():  # inside `gen`
+            self.version = self.receiver.receive(self.engine)
+
+    def end(self) -> None:
+        """Generation of the answer is over: close the window, or take weights already on their way."""
+        sent = self.leader and self.store.compare_set(PARTIAL_KEY, "generating", "done") == b"weights"
+        if self._agree(sent):
+            self._receive()
+            if self.leader:
+                self.store.set(PARTIAL_KEY, "done")
