@@ -211,8 +211,24 @@ def test_builtin_png_writer_draws_every_phase(plot_timeline, two_traces, tmp_pat
     assert len(raw) == 200 * stride and all(r[0] == 0 for r in rows)
     pixels = {r[1 + 3 * x:4 + 3 * x] for r in rows for x in range(500)}
     panels = [plot_timeline.load_panel(p) for p in two_traces]
-    for name, rgb in plot_timeline.colours_for(panels).items():
+    colours = plot_timeline.colours_for(panels)
+    for name, rgb in colours.items():  # the legend alone paints these: the samples below find the bars
         assert bytes(rgb) in pixels, f"no {name} pixels"
+    # the layout by hand, 500 x 200: 2 legend rows (gen, step, update_actor | wait_rollout, wait_weights) of 18 px,
+    # so 200 - (2 panels x (2 x 18 + 2 x 8) + 2 x 18 + 2 x 8) = 44 px for 3 tracks of 14; the labels are wider than
+    # a third of the width, so the time axis runs from x 166 to 492 over 20 s (the longer file). Track tops: panel 1
+    # at 8 + 18 + 4 = 30, panel 2 at 30 + 14 + 18 + 8 + 4 + 18 + 4 = 96 and 110. A bar spans its track but a pixel at
+    # top and bottom; a nested one (depth 1) 3 px
+    def at(y, t):
+        x = 166 + round(326 * t / 20)
+        return tuple(rows[y][1 + 3 * x:4 + 3 * x])
+
+    blank = plot_timeline.TRACK_BG
+    samples = {(37, 3): "gen", (37, 8): "update_actor", (37, 13): "gen", (37, 18): "update_actor",  # colocated
+               (103, 2): "update_actor", (103, 5): "wait_rollout", (103, 8): "update_actor", (97, 5): "step",
+               (103, 15): blank, (117, 1): blank, (117, 5): "gen", (117, 9): "wait_weights", (117, 15): blank}
+    for (y, t), want in samples.items():
+        assert at(y, t) == tuple(colours.get(want, want)), (y, t, want, at(y, t))
 
 
 def test_pillow_backend_fits_the_height_to_the_tracks(plot_timeline, two_traces, tmp_path):

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -35,6 +36,14 @@ def read_scalars(tmp) -> dict:
     return out
 
 
+def assert_resumed(out: str, tmp, step: int, last: int) -> None:
+    """The run said it resumed from step `step`'s checkpoint and its TensorBoard folder (`tmp`/tb) holds
+    exactly the steps after it, to `last`: a fresh start would log from step 1."""
+    assert re.search(rf"resumed from \S*global_step_{step} at step {step}\n", out), out[-3000:]
+    logged = {s for by_step in read_scalars(tmp).values() for s in by_step}
+    assert logged == set(range(step + 1, last + 1)), sorted(logged)
+
+
 def _train(config_path, overrides):
     from hybridrl.config.io import load_config
     from hybridrl.trainer.loop import main_loop
@@ -42,14 +51,16 @@ def _train(config_path, overrides):
     return main_loop(load_config(config_path, overrides))
 
 
-def _torchrun(tmp, nproc, extra, timeout=300, port_tries=2):
-    """train_ppo.py under torchrun; once more on another port when another process took the free one first."""
+def _torchrun(tmp, nproc, extra, timeout=300, port_tries=2, script=None, env=None):
+    """train_ppo.py (or `script`, which runs it) under torchrun, with `env` added to the environment; once
+    more on another port when another process took the free one first."""
+    script = script or os.path.join(ROOT, "scripts", "train_ppo.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY] + _overrides(tmp, extra)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+           script, "--config", TINY] + _overrides(tmp, extra)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     if proc.returncode != 0 and port_tries > 1 and "EADDRINUSE" in proc.stderr:
-        return _torchrun(tmp, nproc, extra, timeout, port_tries - 1)
+        return _torchrun(tmp, nproc, extra, timeout, port_tries - 1, script, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -236,15 +247,20 @@ KL_CTRL = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", 
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
+def test_resume_is_bit_exact_and_tensorboard_names(tmp_path, capfd):
     """Also the adaptive KL controller inside the trainer (its coefficient by hand from the logged KL, and
-    restored by the resume) and trainer.critic_warmup (the actor sits out step 1)."""
+    restored by the resume) and trainer.critic_warmup (the actor sits out step 1). The resumed leg logs to a
+    folder of its own: it must hold steps 5-8 only (a fresh start, deterministic, would give the same values
+    from step 1 on) and the run must say where it resumed."""
     common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.save_freq=4",
               "trainer.test_freq=4", "trainer.critic_warmup=1"] + KL_CTRL
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "full", common + ["trainer.total_training_steps=8"]))
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=4"]))
-    run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=8"]))
-    full, part = read_scalars(tmp_path / "full"), read_scalars(tmp_path / "part")
+    capfd.readouterr()
+    run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + [
+        "trainer.total_training_steps=8", f"trainer.log_dir={tmp_path}/resumed/tb"]))
+    assert_resumed(capfd.readouterr().out, tmp_path / "resumed", 4, 8)
+    full, part = read_scalars(tmp_path / "full"), read_scalars(tmp_path / "resumed")
     missing = [n for n in METRIC_NAMES if n not in full]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert "val-core/synthetic/arith/acc/mean@1" in full and "val-aux/synthetic/arith/reward/mean@1" in full

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -10,6 +12,11 @@ import torch.distributed as dist
 PARTIAL_KEY = "partial_rollout/state"
 """Store key of the partial-rollout handshake: "generating" (an answer is in the works), "weights" (the
 trainers are sending new weights: take them at the next decode step) or "done" (generation finished)."""
+
+
+HOLD_ENV = "HYBRIDRL_TEST_PARTIAL_ROLLOUT_HOLD"
+"""Tests only: decode step n > 0 where each answer after the first waits (2 min at most) for the trainers' "weights",
+so they land mid-generation however busy the machine; unset in real runs, where decoding never waits."""
 
 
 class _PartialWeights:
@@ -25,6 +32,7 @@ class _PartialWeights:
         self.store, self.receiver, self.engine, self.leader, self.timeline = store, receiver, engine, leader, timeline
         self.device, self.poll_steps, self.steps = device, poll_steps, 0
         self.version = -1
+        self.hold_at, self.answers, self.took = int(os.environ.get(HOLD_ENV, "0")), 0, False
 
     def _agree(self, value: bool) -> bool:
         """The leader's `value` on every rank of the replica."""
@@ -35,7 +43,8 @@ class _PartialWeights:
         return bool(flag.item())
 
     def begin(self) -> None:
-        self.steps = 0
+        self.steps, self.took = 0, False
+        self.answers += 1
         if self.leader:
             self.store.set(PARTIAL_KEY, "generating")
 
@@ -43,11 +52,21 @@ class _PartialWeights:
         self.steps += 1
         if self.steps % self.poll_steps:
             return False
-        if not self._agree(self.leader and self.store.get(PARTIAL_KEY) == b"weights"):
+        if not self._agree(self.leader and self._weights_announced()):
             return False
         self._receive()
+        self.took = True
         if self.leader:
             self.store.set(PARTIAL_KEY, "generating")
+        return True
+
+    def _weights_announced(self) -> bool:
+        hold = self.answers > 1 and 0 < self.hold_at <= self.steps and not self.took  # see HOLD_ENV
+        deadline = time.monotonic() + 120.0
+        while self.store.get(PARTIAL_KEY) != b"weights":
+            if not hold or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
         return True
 
     def _receive(self) -> None:
