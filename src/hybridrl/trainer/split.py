@@ -13,7 +13,6 @@ k+1 overlaps the update on k and every trained sample is exactly one version old
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
