@@ -9,7 +9,8 @@ rollout ranks' pieces, and the sums over the replica (one all-reduce per bucket 
 are what each rollout rank must have stored; its engine digests its parameter where it holds it.
 Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel or gate/up tensor
 is gathered rank-major into one scratch and reordered by the one copy that writes the engine's
-parameter. Used by `reshard.update_engine_weights` for engines that offer `layout_targets`.
+parameter. Used by `reshard.update_engine_weights` where `sends_engine_layout` (engines that offer
+`layout_targets`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
+from hybridrl.models.hf_checkpoint import weight_state
 from hybridrl.placement.fingerprint import weight_fingerprint
 
 
@@ -108,6 +110,27 @@ def words_align(global_name: str, spec: GPTSpec, tp: int, rollout_tp: int, dtype
     split_last = hc.tp_split_dim(global_name) == 1 or len(hc.mcore_full_shape(global_name, spec)) == 1
     widths = [last] + ([last // tp, last // rollout_tp] if split_last else [])
     return all(w % per_word == 0 for w in widths)
+
+
+def append_source_digest(digests: list, g: str, shard, spec: GPTSpec, groups, rt: int, device, verify: str) -> None:
+    """Append this rank's share of the sources' digests of `g` for each rollout-TP rank (zeros where it
+    holds no part of it: another stage, or a TP-replicated tensor on TP ranks > 0)."""
+    if verify == "off":
+        return
+    contributes = shard is not None and (groups.tp_rank == 0 or hc.tp_split_dim(g) is not None)
+    digests.append(source_digests(g, shard, spec, groups.tp, groups.tp_rank, rt) if contributes
+                   else torch.zeros(rt, dtype=torch.int64, device=device))
+
+
+def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bool:
+    """The engine takes megatron tensors in its own layout (`layout_targets`), on the training tensors'
+    device and dtype, EP 1, with a fingerprint check (or none) whose words both ends can read alike."""
+    if not hasattr(engine, "layout_targets") or verify == "exact" or groups.ep > 1:
+        return False
+    sample = next(iter(weight_state(model).values()))
+    rt, _, dtype = engine.shard_layout()
+    return (dtype == sample.dtype and getattr(engine, "device", None) == sample.device
+            and all(words_align(g, spec, groups.tp, rt, dtype) for g in hc.hf_to_mcore_name_map(spec)))
 
 
 class Scratch:

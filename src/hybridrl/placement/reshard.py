@@ -1,19 +1,16 @@
-"""3D resharding: training TP/PP shards -> full HF-named tensors -> a rollout engine at its own TP.
+"""3D resharding: training TP/PP shards -> a rollout engine at its own TP, verified.
 
-`iter_hf_weights` walks the megatron tensors in HF order; each is broadcast from its pipeline stage,
-gathered over training TP, un-fused to HF names (`hf_convert`) and added to a bucket; buckets are
-yielded when the next tensor would overflow them, so at most one bucket plus the working set of one
-tensor is alive (a reused bucket buffer and one scratch tensor), and the check's digests and reductions. `update_engine_weights` streams the
-buckets into `engine.load_weights`, or, where rollout TP equals training TP at PP 1, the shards
-straight into `engine.load_shards`; the engine reads back digests of the slices it stored, which
-are checked against the sender's digests of the same slices (the verified handoff). Where the engine
-also lives on the training tensors' device (colocated), it reads those tensors themselves
-(`engine.share_shards`): no copy, and the handoff checks identity (same storage, same version).
-`new_rollout_groups` makes the rollout-TP process groups and `join_requests` pools the prompts of
-one rollout-TP group.
+Four paths, cheapest first (`update_engine_weights` picks): the engine reads the training tensors
+themselves (`engine.share_shards`, same layout and device: identity checked, nothing copied); copies
+of this rank's shards (`engine.load_shards`, same TP at PP 1); megatron tensors gathered over TP and
+broadcast over PP straight into the engine's own layout (`_send_layout`, engines with
+`layout_targets`; `engine_layout.py`: one digest per source shard, one read-back per stored slice);
+or HF-named tensors in bounded buckets (`iter_hf_weights` -> `engine.load_weights`: vLLM, the exact
+hash, EP > 1), with at most one bucket plus one tensor's working set alive. The engine reads back
+digests of what it stored; they must equal the sender's (`HandoffError` otherwise).
 Every rank of the training model replica must run the stream in lockstep (it is collective). This
 module must not know any engine's internals: the engine sees (hf_name, tensor) pairs, or its own
-shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards`.
+shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards` / `layout_targets`.
 """
 from __future__ import annotations
 
@@ -88,10 +85,24 @@ class _Staging:
         return self._scratch[:torch.Size(shape).numel()].view(shape)
 
 
-def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging, target) -> torch.Tensor:
+def _overlapped(collective, *args, while_waiting=None, **kwargs) -> None:
+    """Run a collective; with `while_waiting`, start it asynchronously and call that meanwhile."""
+    if while_waiting is None:
+        collective(*args, **kwargs)
+        return
+    work = collective(*args, async_op=True, **kwargs)
+    while_waiting()
+    work.wait()
+
+
+def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging, target,
+               while_waiting=None) -> torch.Tensor:
     """The TP-merged tensor: gathered straight into `target(shape)`, or rank-major into the scratch
-    and reordered into `target` with one copy; the shard itself when there is nothing to gather."""
+    and reordered into `target` with one copy; the shard itself when there is nothing to gather
+    (`while_waiting` then runs at once, else during the gather)."""
     if groups.tp == 1 or hc.tp_split_dim(global_name) is None:
+        if while_waiting is not None:
+            while_waiting()
         return shard
     shard = shard.contiguous()
     tp, rest = groups.tp, tuple(shard.shape[1:])
@@ -99,10 +110,10 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
         (shard.shape[0], tp * shard.shape[1])
     if not _reordered(global_name, tp):  # rank-order concatenation along dim 0 is the merged layout
         out = target(full_shape)
-        _all_gather_single(out, shard, group=groups.tp_group)
+        _overlapped(_all_gather_single, out, shard, group=groups.tp_group, while_waiting=while_waiting)
         return out
     ranks = staging.scratch((tp * shard.shape[0],) + rest)  # gloo wants the concatenated shape
-    _all_gather_single(ranks, shard, group=groups.tp_group)
+    _overlapped(_all_gather_single, ranks, shard, group=groups.tp_group, while_waiting=while_waiting)
     ranks = ranks.view((tp,) + tuple(shard.shape))
     out = target(full_shape)
     if global_name.endswith("linear_fc1.weight"):  # rank r holds [gate_r; up_r]: merged [gate_*; up_*]
@@ -337,12 +348,18 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     targets = engine.layout_targets(names)
     scratch = el.Scratch(dtype, next(iter(targets.values())).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
-    bucket, digests, held = [], [], 0
+    bucket, digests, stored, held = [], [], {}, 0
+    pending = []  # the tensor written last: the engine reads it back while the next one moves
+
+    def read_back():
+        if verify != "off" and pending:
+            stored.update(engine.layout_digests(pending))
+        pending.clear()
 
     def flush():
+        read_back()
         if verify != "off":
             sent = el.reduce_digests(torch.stack(digests), groups)[:, rr]
-            stored = engine.layout_digests(bucket)
             _received(bucket, stored)
             el.check_digests(bucket, sent, stored, spec, HandoffError)
         return 1, max(max_bucket, held)
@@ -352,43 +369,40 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         if bucket and held + size > bucket_bytes:
             n_new, max_bucket = flush()
             n_buckets, bucket, digests, held = n_buckets + n_new, [], [], 0
+            stored.clear()
         param, full_shape = targets[g], hc.mcore_full_shape(g, spec, groups.tp)
         direct = rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
         into = (lambda shape, p=param: p) if direct else scratch.full
-        holder = groups.pp_rank == hc.owner_stage(g, spec, groups.pp)
-        shard = source_tensor(local, g) if holder else None
-        full = _gather_tp(g, shard, groups, scratch, into) if holder else into(full_shape)
+        owner = hc.owner_stage(g, spec, groups.pp)
+        shard = source_tensor(local, g) if groups.pp_rank == owner else None
+
+        def meanwhile(g=g, shard=shard, device=param.device):  # touches nothing the collective writes:
+            # the sender's digest of its shard (zeros if it holds none) and the previous tensor's read-back
+            el.append_source_digest(digests, g, shard, spec, groups, rt, device, verify)
+            read_back()
+
+        full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \
+            if shard is not None else into(full_shape)
         if groups.pp > 1:
             full = full.contiguous()
-            dist.broadcast(full, group=groups.pp_group, group_src=hc.owner_stage(g, spec, groups.pp))
+            _overlapped(dist.broadcast, full, group=groups.pp_group, group_src=owner,
+                        while_waiting=meanwhile if groups.tp == 1 or shard is None else None)
+        elif groups.tp == 1:
+            meanwhile()
         if not direct:
             engine.take_full(g, full)
         elif full is not param:  # nothing to gather (TP 1 or replicated): the shard itself
             param.copy_(full)
         if direct and hc.is_vocab_tensor(g):
             param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
-        if verify != "off":
-            contributes = holder and (groups.tp_rank == 0 or hc.tp_split_dim(g) is not None)
-            digests.append(el.source_digests(g, shard, spec, groups.tp, groups.tp_rank, rt) if contributes
-                           else torch.zeros(rt, dtype=torch.int64, device=param.device))
         bucket.append(g)
+        pending.append(g)
         held += size
         n_tensors, total = n_tensors + len(hc.hf_sources(g, spec)), total + param.nbytes
     if bucket:
         n_new, max_bucket = flush()
         n_buckets += n_new
     return n_tensors, n_buckets, total, max_bucket
-
-
-def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bool:
-    """The engine takes megatron tensors in its own layout (`layout_targets`), on the training tensors'
-    device and dtype, EP 1, with a fingerprint check (or none) whose words both ends can read alike."""
-    if not hasattr(engine, "layout_targets") or verify == "exact" or groups.ep > 1:
-        return False
-    sample = next(iter(weight_state(model).values()))
-    rt, _, dtype = engine.shard_layout()
-    return (dtype == sample.dtype and getattr(engine, "device", None) == sample.device
-            and all(el.words_align(g, spec, groups.tp, rt, dtype) for g in hc.hf_to_mcore_name_map(spec)))
 
 
 def _share(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
@@ -448,7 +462,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     Where the engine can read this rank's training tensors themselves (`shares_weights`, and `share`),
     it does: nothing is copied and the check is one of identity (`_share`), not of bytes.
     Else, where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
-    into its parameters (no gather, no bucket); otherwise buckets of HF tensors go to
+    into its parameters (no gather, no bucket); else, where `engine_layout.sends_engine_layout`, megatron
+    tensors go into the engine's own layout (`_send_layout`); otherwise buckets of HF tensors go to
     `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
     compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
     Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
@@ -467,7 +482,7 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
         cuda_base = torch.cuda.memory_allocated()
     shared = share and shares_weights(engine, model, groups)
     direct = shared or takes_shards(engine, model, groups)
-    layout = not direct and sends_engine_layout(engine, model, spec, groups, verify)
+    layout = not direct and el.sends_engine_layout(engine, model, spec, groups, verify)
     send = _share if shared else _send_shards if direct else _send_layout if layout else _send_buckets
     start = time.perf_counter()
     with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
