@@ -120,8 +120,8 @@ def body(folder: str, reps: int) -> dict:
                     cell = _cell(out, (tp, pp, "resharded", bucket_mb, verify))
                     cell["samples"].append(bl.sample())
                     report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify, share=False)  # A
+                    cell["transport"].append(_transport_seconds(model, spec, groups))  # C, right after A
                     cell["memcpy"] += _memcpy_seconds(src, dst)  # B, same process, same threads
-                    cell["transport"].append(_transport_seconds(model, spec, groups))  # C
                     cell["handoff"].append(report.seconds)
                     cell["report"] = report
             for path, equal_engine in equal.items():
@@ -151,7 +151,9 @@ def _rows(name: str, res: dict):
                           "-", "-", "-", "-"] + bl.stamp(cell["samples"]))
             continue
         copy_rate, hand_rate = 1 / per_byte / 2**30, r.total_bytes / hand / 2**30
-        wire = f"{100 * bl.median(cell['transport']) / hand:.1f}%" if cell["transport"] else "- (no collective)"
+        # ratios per rep (A and C timed back to back), then their median: the load moves between reps
+        wire = (f"{100 * bl.median([c / h for c, h in zip(cell['transport'], cell['handoff'])]):.1f}%"
+                if cell["transport"] else "- (no collective)")
         bold = wire if not cell["transport"] or verify != VERIFY[0] or bucket_mb != 64 else f"**{wire}**"
         speed.append([name, f"{r.total_bytes / 2**20:.1f}", layout, engine, bucket_mb, verify,
                       f"{hand_rate:.2f} GiB/s", f"{copy_rate:.2f}", bold, f"{100 * hand_rate / copy_rate:.1f}%",
@@ -201,7 +203,8 @@ def report(results: dict, reps: int) -> tuple:
             f"{last_level_cache_bytes() // 2**20} MiB last-level cache) into a buffer allocated and paged in once, "
             f"the handoff's threads; collectives alone C: the layout's gloo all-gathers (TP) or broadcasts (PP) into "
             f"one reused buffer (`_transport_seconds`), the floor of any handoff over gloo here. Rates are GiB/s per "
-            f"rank; `load 1-min` is the range over the cell's reps.\n\n"
+            f"rank; `handoff / collectives alone` is the median over reps of C's time / A's (timed back to back, so "
+            f"a change of load between reps cancels); `load 1-min` is the range over the cell's reps.\n\n"
             + bl.table(["model", "MiB stored", "training", "engine", "bucket MiB", "verify", "handoff",
                         "memcpy GiB/s", "handoff / collectives alone", "handoff / memcpy",
                         "collectives alone / memcpy"] + bl.STAMP_HEADER, speed)
