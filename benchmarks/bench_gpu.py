@@ -13,8 +13,8 @@ Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/q
    its copy paths: the direct one (the engine takes the actor's shards as they are, as at equal TP) and
    the resharded one (megatron tensors written into the engine's own layout, digests grouped in 64 MiB
    buckets, as when the layouts differ; forced here), each with and without fingerprint verification,
-   against the device's sustained copy: the median of MEMCPY_COPIES copies of at least SIZE["memcpy_min"]
-   (256 MiB: far past the L2 cache) into a buffer allocated once, timed in alternation with the handoffs.
+   against the device's sustained copy: the median of MEMCPY_COPIES (20) copies per rep of at least
+   256 MiB (far past the L2 cache) into a buffer allocated once, timed in alternation with the handoffs.
    Target: handoff >= 50% of memcpy bandwidth.
 4. With `--memory-from TB_DIR -- OVERRIDES`: the peak allocated memory of each trainer stage of a run
    (its TensorBoard `perf/max_memory_allocated_gb/<stage>`, median over steps 2..N; gpu_check.sh

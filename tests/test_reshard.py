@@ -497,6 +497,13 @@ def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
         assert fp(y) != (fp(square) if what == "transposed" else base), what
     strided = x.view(12, 2, 16)[:, 0]  # a view and its copy: same bits in the same order
     assert fp(strided) == fp(strided.contiguous()) and fp(x[:, 3:9]) == fp(x[:, 3:9].contiguous())
+    from hybridrl.placement import fingerprint
+    whole = [fp(t) for t in (x, strided, x[:, 4:12], x.view(4, 6, 16))]
+    saved, fingerprint._CACHE_CHUNK_BYTES = fingerprint._CACHE_CHUNK_BYTES, 64  # rows summed in chunks of 64 bytes
+    try:
+        assert [fp(t) for t in (x, strided, x[:, 4:12], x.view(4, 6, 16))] == whole
+    finally:
+        fingerprint._CACHE_CHUNK_BYTES = saved
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -72,6 +72,31 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[size])
 
 
+_CACHE_CHUNK_BYTES = 1 << 20  # rows summed together on a CPU: they stay in a core's cache for the column sums
+
+
+def _row_and_column_sums(bits: torch.Tensor) -> tuple:
+    """Sums over the last dim and over the leading ones, wrapping at the word width. On a CPU, a tensor
+    larger than a cache chunk is read from memory once: each chunk of rows gives its row sums, then its
+    column sums from the cache (two whole-tensor reductions would read it twice)."""
+    rows = bits
+    if bits.dim() > 2:
+        try:
+            rows = bits.view(-1, bits.shape[-1])
+        except RuntimeError:  # strides that do not flatten: two reductions over the view itself
+            rows = None
+    step = max(1, _CACHE_CHUNK_BYTES // max(1, bits.shape[-1] * bits.element_size()))
+    if rows is None or bits.device.type != "cpu" or rows.shape[0] <= step:
+        return bits.sum(dim=-1, dtype=bits.dtype), bits.sum(dim=tuple(range(bits.dim() - 1)), dtype=bits.dtype)
+    row_sums = torch.empty(rows.shape[0], dtype=bits.dtype)
+    col_sums = torch.zeros(rows.shape[1], dtype=bits.dtype)
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        torch.sum(part, dim=-1, dtype=bits.dtype, out=row_sums[start:start + step])
+        col_sums += part.sum(dim=0, dtype=bits.dtype)
+    return row_sums, col_sums
+
+
 def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """A 0-d int64 tensor on t's device from two integer reductions over t's raw bits (no host copy).
 
@@ -93,8 +118,7 @@ def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> tor
     if bits.dim() == 1:
         row_sums, col_sums = bits.sum(dim=0, keepdim=True, dtype=bits.dtype), bits
     else:
-        row_sums = bits.sum(dim=-1, dtype=bits.dtype)
-        col_sums = bits.sum(dim=tuple(range(bits.dim() - 1)), dtype=bits.dtype)
+        row_sums, col_sums = _row_and_column_sums(bits)
     m = _weights(row0 + row_sums.numel(), bits.device, "row")[row0:].view(row_sums.shape)
     w = _weights(col0 + col_sums.numel(), bits.device, "col")[col0:]
     mixed = (row_sums.long() * m).sum() + (col_sums.long() * w).sum()
