@@ -10,10 +10,12 @@ Random weights, bf16, the architectures of configs/qwen2_0.5b.yaml and configs/q
 2. NativeEngine rollout tokens/s at batch 64 (128 prompt + 128 new tokens, no eos), greedy and
    sampled, against transformers `generate` on the same weights in the same process. Target: >= 3x.
 3. `reshard.update_engine_weights` of the 0.5B actor into a NativeEngine on the same GPU, on both of
-   its paths: the direct one (the engine takes the actor's shards as they are, as at equal TP) and the
-   bucketed one (HF tensors in 64 MiB buckets, as when the layouts differ; forced here), each with and
-   without fingerprint verification, against a device-to-device copy of the same bytes, timed in
-   alternation. Target: handoff >= 50% of memcpy bandwidth.
+   its copy paths: the direct one (the engine takes the actor's shards as they are, as at equal TP) and
+   the resharded one (megatron tensors written into the engine's own layout, digests grouped in 64 MiB
+   buckets, as when the layouts differ; forced here), each with and without fingerprint verification,
+   against the device's sustained copy: the median of MEMCPY_COPIES (20) copies per rep of at least
+   256 MiB (far past the L2 cache) into a buffer allocated once, timed in alternation with the handoffs.
+   Target: handoff >= 50% of memcpy bandwidth.
 4. With `--memory-from TB_DIR -- OVERRIDES`: the peak allocated memory of each trainer stage of a run
    (its TensorBoard `perf/max_memory_allocated_gb/<stage>`, median over steps 2..N; gpu_check.sh
    passes its 10-step GRPO run) against the planner's phase for the same config (`planner.estimate`
@@ -41,8 +43,8 @@ import traceback
 import benchlib as bl
 
 PEAK_BF16 = 989e12
-FULL = dict(micro=8, seq=1536, iters=6, batch=64, prompt=128, new=128, reps=3)
-SMOKE = dict(micro=2, seq=32, iters=2, batch=4, prompt=8, new=8, reps=2)
+FULL = dict(micro=8, seq=1536, iters=6, batch=64, prompt=128, new=128, reps=3, memcpy_min=256 * 2**20)
+SMOKE = dict(micro=2, seq=32, iters=2, batch=4, prompt=8, new=8, reps=2, memcpy_min=2**20)
 SIZE = dict(FULL)
 DEVICE = "cuda"
 GIB = 2 ** 30
@@ -156,13 +158,14 @@ def rollout(engine, hf, spec) -> dict:
     return out
 
 
-PATHS = ("direct", "bucketed")
-"""The handoff's two paths: the engine takes the actor's shards as they are (equal TP: the trainer's
-path here), or HF tensors gathered into 64 MiB buckets (any other layout: TP or PP differ, PP > 1)."""
+PATHS = ("direct", "resharded")
+MEMCPY_COPIES = 20
+"""The handoff's two copy paths: the engine takes the actor's shards as they are (equal TP: the trainer's
+path here), or megatron tensors written into its own layout (any other layout: TP or PP differ, PP > 1)."""
 
 
 def _handoff_path(path: str):
-    """The bucketed path forced where the layouts would allow the direct one."""
+    """The resharded path forced where the layouts would allow the direct one."""
     import contextlib
     from unittest import mock
 
@@ -173,8 +176,8 @@ def _handoff_path(path: str):
 
 
 def handoff(engine, model, spec, groups) -> dict:
-    """Seconds per handoff on each path (median; verified and not) and per device memcpy of the direct
-    path's bytes (the bucketed one sends the HF tensors: no vocab padding)."""
+    """Seconds per handoff on each path (median; verified and not) and the device's sustained copy
+    (seconds per byte: median of MEMCPY_COPIES copies per rep into a buffer allocated once)."""
     import torch
 
     from hybridrl.placement.reshard import update_engine_weights
@@ -185,11 +188,12 @@ def handoff(engine, model, spec, groups) -> dict:
             # warm-up, the byte count and the peak memory (metered here only: metering slows a handoff down)
             report = update_engine_weights(engine, model, spec, groups, 64, measure_memory=True, share=False)
             if report.direct != (path == "direct"):
-                raise RuntimeError(f"the {path} handoff took the {'direct' if report.direct else 'bucketed'} path")
+                raise RuntimeError(f"the {path} handoff took the {'direct' if report.direct else 'resharded'} path")
             out[path] = {"bytes": report.total_bytes, "peak_extra_gib": report.peak_cuda_extra_bytes / 2**30,
                          "buckets": report.num_buckets}
-    src = torch.ones(out["direct"]["bytes"], dtype=torch.uint8, device=DEVICE)
-    memcpy = lambda: torch.empty_like(src).copy_(src)
+    src = torch.ones(max(out["direct"]["bytes"], SIZE["memcpy_min"]), dtype=torch.uint8, device=DEVICE)
+    dst = torch.zeros_like(src)  # allocated and touched once: the handoff writes existing parameters too
+    memcpy = lambda: dst.copy_(src)
     memcpy()
     times = {(path, verify): [] for path in PATHS for verify in ("fingerprint", "off")}
     times["memcpy"] = []
@@ -198,7 +202,7 @@ def handoff(engine, model, spec, groups) -> dict:
             with _handoff_path(path):
                 times[path, verify].append(_sync_time(
                     lambda: update_engine_weights(engine, model, spec, groups, 64, verify=verify, share=False)))
-            times["memcpy"].append(_sync_time(memcpy))
+            times["memcpy"] += [_sync_time(memcpy) for _ in range(MEMCPY_COPIES)]
     for path, verify in [k for k in times if k != "memcpy"]:
         out[path]["verified" if verify == "fingerprint" else "unverified"] = bl.median(times[path, verify])
     out["memcpy"], out["memcpy_bytes"] = bl.median(times["memcpy"]), src.numel()
@@ -241,7 +245,7 @@ def report(mfus: dict, roll: dict, hand: dict, memory: list, failed: dict) -> st
         gb, memcpy_gbps = h["bytes"] / 1e9, hand["memcpy_bytes"] / 1e9 / hand["memcpy"]
         for kind in ("verified", "unverified"):
             rows.append([f"handoff {kind}, {path} path, 0.5B -> native engine",
-                         f"{gb:.2f} GB" + (f", {h['buckets']} buckets of 64 MiB" if path == "bucketed" else ""),
+                         f"{gb:.2f} GB" + (f", {h['buckets']} buckets of 64 MiB" if path == "resharded" else ""),
                          f"{h[kind] * 1000:.0f} ms ({gb / h[kind]:.1f} GB/s)",
                          f"memcpy {memcpy_gbps:.1f} GB/s: **{100 * gb / h[kind] / memcpy_gbps:.1f}% of memcpy** "
                          f"(peak extra {h['peak_extra_gib']:.2f} GiB)"])

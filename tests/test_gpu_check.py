@@ -79,8 +79,8 @@ def test_bench_gpu_measures_both_handoff_paths_and_names_the_attention():
     mfu, hand, table = run_distributed(_bench_parts, 1)[0]
     assert mfu["layer_spec"] == "local layer spec, SDPAttention"
     assert "(local layer spec, SDPAttention)" in table
-    assert hand["direct"]["bytes"] >= hand["bucketed"]["bytes"] > 0.9 * hand["direct"]["bytes"]  # vocab padding
-    assert hand["bucketed"]["buckets"] >= 1
-    for path in ("direct", "bucketed"):
+    assert hand["direct"]["bytes"] >= hand["resharded"]["bytes"] > 0.9 * hand["direct"]["bytes"]  # vocab padding
+    assert hand["resharded"]["buckets"] >= 1
+    for path in ("direct", "resharded"):
         assert hand[path]["verified"] > 0 and hand[path]["unverified"] > 0
         assert f"handoff verified, {path} path" in table and f"handoff unverified, {path} path" in table

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from copy_spy import CopySpy
 from dist_helper import run_distributed
 
 BUCKET_MB = 40 / 1024  # 40 KiB: several tensors share a bucket; the (vocab-padded) embedding is alone
@@ -45,6 +46,35 @@ def _faulty_engine_class():
                 view.copy_(src.reshape(view.shape))
                 if self.fault == "bit_flip":  # one bit of the engine's copy, written after the load
                     view.view(torch.int32).view(-1)[7] ^= 1 << 3
+
+        # the megatron-layout path (reshard._send_layout): the sender writes the parameters; a fault
+        # corrupts the victim's slice of what the engine stored before it is read back
+        def layout_targets(self, names):
+            out = super().layout_targets(names)
+            if self.fault == "drop":
+                self.kept = self._slots[self.victim][1].clone()  # the previous sync's values
+            return out
+
+        def take_full(self, name, full):
+            super().take_full(name, full)
+            own, tp = self._own_name(name), self.groups.tp
+            if self.fault == "wrong_slice" and own == self._slots[self.victim][0]:  # the other rank's rows
+                with torch.no_grad():
+                    self.params[own].copy_(full.chunk(tp)[(self.groups.tp_rank + 1) % tp])
+
+        def layout_digests(self, names):
+            _, view, _ = self._slots.get(self.victim, (None, None, None))
+            if self.fault and self._slots[self.victim][0] in {self._own_name(n) for n in names}:
+                with torch.no_grad():
+                    if self.fault == "drop":
+                        view.copy_(self.kept)
+                    elif self.fault == "swapped_shard":
+                        view.copy_(torch.cat(view.chunk(2, dim=1)[::-1], dim=1))
+                    elif self.fault == "transposed":
+                        view.copy_(view.t().clone())
+                    elif self.fault == "bit_flip":
+                        view.view(torch.int32).view(-1)[7] ^= 1 << 3
+            return super().layout_digests(names)
 
         def _copy_shard(self, global_name, shard):
             super()._copy_shard(global_name, shard)
@@ -229,6 +259,32 @@ def _bench_shape_peak(folder) -> dict:
                              for verify in ("fingerprint", "exact", "off")}}
 
 
+def _layout_copy_bytes(spec, groups, rollout_tp: int, engine_rank: int) -> int:
+    """By hand, the bytes the megatron-layout handoff copies on this rank (fp32): the stage holding a tensor
+    reorders a gathered row-parallel or gate/up tensor with one copy, or copies a tensor nothing is
+    gathered for; an engine at another layout copies its slice out of the merged tensor (real vocabulary
+    rows only). Nothing else: QKV and the vocabulary gather and broadcast straight into the engine."""
+    from hybridrl.models import hf_convert as hc
+
+    total, tp = 0, groups.tp
+    for g in hc.hf_to_mcore_name_map(spec):
+        full = hc.mcore_full_shape(g, spec, tp)
+        direct = rollout_tp == 1 and hc.mcore_full_shape(g, spec, 1) == full
+        dim = hc.tp_split_dim(g)
+        if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank:
+            if dim == 1 or "linear_fc1" in g:
+                total += torch.Size(full).numel() * 4
+            elif direct and (dim is None or tp == 1):
+                total += torch.Size(full).numel() * 4
+        if not direct:
+            per = spec.padded_vocab_size(rollout_tp) // rollout_tp
+            rows = max(0, min(per, spec.vocab_size - engine_rank * per)) if hc.is_vocab_tensor(g) else \
+                full[0] // (rollout_tp if dim == 0 else 1)
+            cols = full[1] // (rollout_tp if dim == 1 else 1) if len(full) > 1 else 1
+            total += rows * cols * 4
+    return total
+
+
 def _handoffs(folder, tied_folder, bench_folder):
     from hybridrl.placement import reshard
     from hybridrl.models.hf_checkpoint import SafetensorsReader, mcore_to_hf_stream, model_from_hf
@@ -251,6 +307,9 @@ def _handoffs(folder, tied_folder, bench_folder):
         expected = _expected_shards(export, spec, tp, engine.groups.tp_rank)
         res[f"bit_exact_tp{tp}"] = all(torch.equal(engine.params[g], t) for g, t in expected.items())
         res[f"greedy_tp{tp}"] = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6)).responses
+        with CopySpy() as spy:
+            reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+        res[f"copied_tp{tp}"] = (spy.nbytes, _layout_copy_bytes(spec, groups, tp, engine.groups.tp_rank))
     res["exact_report"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify="exact")
     res["faults"] = _faults(model, spec, groups)
     res["vllm"] = _vllm_handoffs(model, spec, groups)
@@ -287,6 +346,22 @@ def test_engine_weights_equal_hf_export_bit_for_bit(runs, tp):
         assert report.verified and report.verify == "fingerprint" and report.num_tensors == len(res["export"])
     assert all(torch.equal(r["greedy_tp1"], runs[0]["greedy_tp1"]) for r in runs)
     assert all(torch.equal(r["greedy_tp2"], runs[0]["greedy_tp1"]) for r in runs)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_resharded_handoff_writes_the_engine_layout(runs, tp):
+    """Training TP 2 x PP 2 into a NativeEngine: megatron tensors straight into its parameters, no HF round
+    trip: the bytes copied (every Tensor.copy_) are the hand count of `_layout_copy_bytes`, which at
+    rollout TP 1 is less than one copy of what the engine stores (the HF buckets copied it 2-3 times)."""
+    for res in runs:
+        report = res[f"report_tp{tp}"]
+        assert report.engine_layout and not report.direct
+        copied, by_hand = res[f"copied_tp{tp}"]
+        assert copied == by_hand, (res["rank"], copied, by_hand)
+        if tp == 1:
+            assert copied < report.total_bytes
+    assert not runs[0]["exact_report"].engine_layout  # the byte-exact hash is not linear: HF buckets
 
 
 @pytest.mark.distributed
@@ -337,25 +412,28 @@ def _fingerprint_allowance(spec) -> int:
 
 @pytest.mark.distributed
 def test_peak_memory_bound_holds_where_bucket_and_scratch_fill_it(runs):
-    """The bench model at TP 2 with 2 MiB buckets (bench_reshard.py's small cell): a bucket of 2 MiB and
-    the fc1 scratch of 1 MiB are exactly "one bucket + largest tensor"; the fingerprints' reductions and
-    digests come on top (3,157,176 > 3,145,728 bytes measured when the bound left them out). The bound
-    now counts them (`reshard.verify_bytes`); exact adds a slice copy and a host chunk; off adds nothing."""
+    """The bench model at TP 2 with 2 MiB buckets (bench_reshard.py's small cell). HF buckets (verify exact):
+    a bucket of 2 MiB and the fc1 scratch of 1 MiB are exactly "one bucket + largest tensor" and the check
+    comes on top (3,157,176 > 3,145,728 bytes measured when the bound left it out); the bound counts it
+    (`reshard.verify_bytes`). The megatron-layout path (fingerprint, off) has no bucket buffer: its peak is
+    the fc1 gather's rank-major scratch (the largest tensor) plus the check."""
     from hybridrl.models import hf_convert as hc
 
     for res in runs:
         reports = dict(res["bench_shape"])
         spec = reports.pop("spec")
-        fp = reports["fingerprint"]
+        fp, exact, off = reports["fingerprint"], reports["exact"], reports["off"]
         assert (fp.bucket_bytes, fp.largest_tensor_bytes, fp.num_buckets) == (2 * 2**20, 2**20, 7), fp
-        assert fp.max_bucket_bytes < fp.bucket_bytes  # the buffer is bucket_bytes, the fullest bucket less
-        assert fp.peak_extra_bytes > fp.bucket_bytes + fp.largest_tensor_bytes, "bucket + scratch + the check"
+        assert fp.max_bucket_bytes < fp.bucket_bytes  # the buckets group digests; the fullest is under the cap
         for verify, report in reports.items():
             assert 0 < report.peak_extra_bytes <= report.peak_bound_bytes, (verify, report)
+        assert fp.engine_layout and off.engine_layout and not exact.engine_layout
+        assert fp.largest_tensor_bytes <= fp.peak_extra_bytes <= fp.largest_tensor_bytes + fp.verify_bytes, fp
+        assert off.largest_tensor_bytes <= off.peak_extra_bytes < off.largest_tensor_bytes + 2**12, off
+        assert exact.peak_extra_bytes > exact.bucket_bytes + exact.largest_tensor_bytes, "bucket + scratch + check"
         assert hc.mcore_full_shape("decoder.layers.0.mlp.linear_fc1.weight", spec) == (1024, 256)
         assert fp.verify_bytes == _fingerprint_allowance(spec) == 128 * 1280 + 4096 + 48 * 50
-        assert reports["exact"].verify_bytes == 2 * 2**20 and reports["off"].verify_bytes == 0
-        assert reports["off"].peak_extra_bytes <= fp.bucket_bytes + fp.largest_tensor_bytes
+        assert exact.verify_bytes == 2 * 2**20 and off.verify_bytes == 0
 
 
 @pytest.mark.distributed
@@ -419,6 +497,45 @@ def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
         assert fp(y) != (fp(square) if what == "transposed" else base), what
     strided = x.view(12, 2, 16)[:, 0]  # a view and its copy: same bits in the same order
     assert fp(strided) == fp(strided.contiguous()) and fp(x[:, 3:9]) == fp(x[:, 3:9].contiguous())
+    from hybridrl.placement import fingerprint
+    whole = [fp(t) for t in (x, strided, x[:, 4:12], x.view(4, 6, 16))]
+    saved, fingerprint._CACHE_CHUNK_BYTES = fingerprint._CACHE_CHUNK_BYTES, 64  # rows summed in chunks of 64 bytes
+    try:
+        assert [fp(t) for t in (x, strided, x[:, 4:12], x.view(4, 6, 16))] == whole
+    finally:
+        fingerprint._CACHE_CHUNK_BYTES = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_source_digests_sum_to_the_stored_slice_at_every_layout(dtype):
+    """engine_layout: each training rank's digest of its own shard, split by the rollout ranks' pieces,
+    summed over training TP, equals the digest an engine at rollout TP computes of its parameter, for
+    every (training TP, rollout TP) in {1, 2, 4}^2 and every kind of split (QKV with bias, gate/up,
+    row-parallel, padded vocabulary, replicated norms); one flipped bit in the engine's copy changes it."""
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.placement import engine_layout as el
+
+    spec = GPTSpec(num_layers=1, hidden_size=32, num_attention_heads=8, num_key_value_heads=4, intermediate_size=24,
+                   vocab_size=300, max_position_embeddings=16, qkv_bias=True, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(2)
+    hf = {n: torch.randn(s, generator=g).to(dtype) for n, s in hc.hf_shapes(spec).items()}
+    reader = hc.DictReader(hf)
+    for name in hc.hf_to_mcore_name_map(spec):
+        for tp in (1, 2, 4):
+            sent = sum(el.source_digests(name, hc.read_shard(name, reader, spec, tp, r), spec, tp, r, 4)
+                       for r in range(tp if hc.tp_split_dim(name) is not None else 1))
+            for rollout_tp in (1, 2, 4):
+                sums = sum(el.source_digests(name, hc.read_shard(name, reader, spec, tp, r), spec, tp, r, rollout_tp)
+                           for r in range(tp if hc.tp_split_dim(name) is not None else 1))
+                for k in range(rollout_tp):
+                    param = hc.read_shard(name, reader, spec, rollout_tp, k).clone()  # may be the HF tensor itself
+                    assert sums[k] == el.stored_digest(name, param, spec, rollout_tp, k), (name, tp, rollout_tp, k)
+                    if not el.pieces(name, param, spec, rollout_tp, k):
+                        continue  # a rank past the vocabulary holds padding only
+                    param.view(-1)[:1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[0] ^= 1 << 5
+                    assert sums[k] != el.stored_digest(name, param, spec, rollout_tp, k), (name, tp, rollout_tp, k)
+            assert sent.shape == (4,)
 
 
 def test_shard_parts_are_the_slices_read_shard_takes():

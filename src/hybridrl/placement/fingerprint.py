@@ -72,26 +72,57 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[size])
 
 
-def weight_fingerprint(t: torch.Tensor) -> torch.Tensor:
+_CACHE_CHUNK_BYTES = 1 << 20  # rows summed together on a CPU: they stay in a core's cache for the column sums
+
+
+def _row_and_column_sums(bits: torch.Tensor) -> tuple:
+    """Sums over the last dim and over the leading ones, wrapping at the word width. On a CPU, a tensor
+    larger than a cache chunk is read from memory once: each chunk of rows gives its row sums, then its
+    column sums from the cache (two whole-tensor reductions would read it twice)."""
+    rows = bits
+    if bits.dim() > 2:
+        try:
+            rows = bits.view(-1, bits.shape[-1])
+        except RuntimeError:  # strides that do not flatten: two reductions over the view itself
+            rows = None
+    step = max(1, _CACHE_CHUNK_BYTES // max(1, bits.shape[-1] * bits.element_size()))
+    if rows is None or bits.device.type != "cpu" or rows.shape[0] <= step:
+        return bits.sum(dim=-1, dtype=bits.dtype), bits.sum(dim=tuple(range(bits.dim() - 1)), dtype=bits.dtype)
+    row_sums = torch.empty(rows.shape[0], dtype=bits.dtype)
+    col_sums = torch.zeros(rows.shape[1], dtype=bits.dtype)
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        torch.sum(part, dim=-1, dtype=bits.dtype, out=row_sums[start:start + step])
+        col_sums += part.sum(dim=0, dtype=bits.dtype)
+    return row_sums, col_sums
+
+
+def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """A 0-d int64 tensor on t's device from two integer reductions over t's raw bits (no host copy).
 
-    The bits, as integer words, are read as rows x last dim (leading dims flattened, any strides);
-    rowsum and colsum wrap at the word width. F = sum_r m_r * rowsum_r + sum_c w_c * colsum_c + numel
-    (mod 2^64), with odd row weights m_r and even column weights w_c. One flipped bit (bit k of a
-    word) changes F by (m_r + w_c) * 2^k plus multiples of 2^(word bits): never 0 mod 2^64, so it is
-    always caught; a wrong slice, a swapped or transposed block or stale data changes row or column
-    sums and goes unseen only by a ~2^-32 coincidence. Equal bits in equal order give equal F.
+    The bits, as integer words of b bits, are read as rows x last dim (leading dims flattened, any
+    strides; a 1-D tensor is one row); rowsum and colsum wrap at the word width. With t placed at
+    (row, column) `origin` (in elements) of a larger tensor, F = 2^(64-b) * (sum_r m_r * rowsum_r +
+    sum_c w_c * colsum_c) + numel (mod 2^64), with odd row weights m_r and even column weights w_c
+    indexed by the position in the larger tensor. F depends on each sum only mod 2^b, so it is linear
+    in t's words: the fingerprints of the pieces of a partition, each at its origin, sum to the
+    whole tensor's (a sender can digest its shard, a receiver the slice it stored). One flipped bit
+    (bit k of a word) changes F by (m_r + w_c) * 2^(64-b+k): odd times a power of two below 2^64,
+    never 0, so it is always caught; a wrong slice, a swapped or transposed block or stale data goes
+    unseen only by a ~2^-b coincidence. Equal bits in equal order at equal origins give equal F.
     """
     bits = t.detach()
     bits = _as_words(bits.reshape(1) if bits.dim() == 0 else bits)
+    row0, col0 = origin
+    col0 = col0 * t.element_size() // bits.element_size()
     if bits.dim() == 1:
         row_sums, col_sums = bits.sum(dim=0, keepdim=True, dtype=bits.dtype), bits
     else:
-        row_sums = bits.sum(dim=-1, dtype=bits.dtype)
-        col_sums = bits.sum(dim=tuple(range(bits.dim() - 1)), dtype=bits.dtype)
-    m = _weights(row_sums.numel(), bits.device, "row").view(row_sums.shape)
-    w = _weights(col_sums.numel(), bits.device, "col")
-    return (row_sums.long() * m).sum() + (col_sums.long() * w).sum() + t.numel()
+        row_sums, col_sums = _row_and_column_sums(bits)
+    m = _weights(row0 + row_sums.numel(), bits.device, "row")[row0:].view(row_sums.shape)
+    w = _weights(col0 + col_sums.numel(), bits.device, "col")[col0:]
+    mixed = (row_sums.long() * m).sum() + (col_sums.long() * w).sum()
+    return mixed * (1 << (64 - 8 * bits.element_size())) + t.numel() if bits.element_size() < 8 else mixed + t.numel()
 
 
 _CHUNK_ELEMS = 1 << 24  # bounds the host copy when hashing a GPU tensor

@@ -1,19 +1,16 @@
-"""3D resharding: training TP/PP shards -> full HF-named tensors -> a rollout engine at its own TP.
+"""3D resharding: training TP/PP shards -> a rollout engine at its own TP, verified.
 
-`iter_hf_weights` walks the megatron tensors in HF order; each is broadcast from its pipeline stage,
-gathered over training TP, un-fused to HF names (`hf_convert`) and added to a bucket; buckets are
-yielded when the next tensor would overflow them, so at most one bucket plus the working set of one
-tensor is alive (a reused bucket buffer and one scratch tensor), and the check's digests and reductions. `update_engine_weights` streams the
-buckets into `engine.load_weights`, or, where rollout TP equals training TP at PP 1, the shards
-straight into `engine.load_shards`; the engine reads back digests of the slices it stored, which
-are checked against the sender's digests of the same slices (the verified handoff). Where the engine
-also lives on the training tensors' device (colocated), it reads those tensors themselves
-(`engine.share_shards`): no copy, and the handoff checks identity (same storage, same version).
-`new_rollout_groups` makes the rollout-TP process groups and `join_requests` pools the prompts of
-one rollout-TP group.
+Four paths, cheapest first (`update_engine_weights` picks): the engine reads the training tensors
+themselves (`engine.share_shards`, same layout and device: identity checked, nothing copied); copies
+of this rank's shards (`engine.load_shards`, same TP at PP 1); megatron tensors gathered over TP and
+broadcast over PP straight into the engine's own layout (`_send_layout`, engines with
+`layout_targets`; `engine_layout.py`: one digest per source shard, one read-back per stored slice);
+or HF-named tensors in bounded buckets (`iter_hf_weights` -> `engine.load_weights`: vLLM, the exact
+hash, EP > 1), with at most one bucket plus one tensor's working set alive. The engine reads back
+digests of what it stored; they must equal the sender's (`HandoffError` otherwise).
 Every rank of the training model replica must run the stream in lockstep (it is collective). This
 module must not know any engine's internals: the engine sees (hf_name, tensor) pairs, or its own
-shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards`.
+shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards` / `layout_targets`.
 """
 from __future__ import annotations
 
@@ -28,67 +25,14 @@ import torch.distributed as dist
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
+from hybridrl.placement import engine_layout as el
 from hybridrl.placement.fingerprint import VERIFY_MODES, hf_region, weight_digest
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
+from hybridrl.placement.rollout_groups import RolloutGroups, join_requests, new_rollout_groups  # noqa: F401 (same)
 
 
 class HandoffError(RuntimeError):
     """The engine did not receive exactly what was sent."""
-
-
-# ---- rollout process groups ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RolloutGroups:
-    """The rollout engine's layout: TP groups of consecutive ranks; DP over the groups."""
-    tp: int
-    tp_rank: int
-    tp_group: object
-    dp: int
-    dp_rank: int
-    solo_group: object
-    """This rank alone (the engine's pipeline and context-parallel groups, both of size 1)."""
-
-
-_GROUP_CACHE: dict[tuple, RolloutGroups] = {}
-
-
-def new_rollout_groups(rollout_tp: int) -> RolloutGroups:
-    """Collective on the world: rollout-TP groups [0..tp-1], [tp..2tp-1], ... (cached per process)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % rollout_tp:
-        raise ValueError(f"rollout tensor_model_parallel_size={rollout_tp} does not divide the world "
-                         f"size {world}; choose a divisor of {world}")
-    key = (id(dist.group.WORLD), rollout_tp)  # a re-initialised world gets new groups
-    if key not in _GROUP_CACHE:
-        tp_group, _ = dist.new_subgroups(group_size=rollout_tp)
-        solo_group, _ = dist.new_subgroups(group_size=1)
-        _GROUP_CACHE[key] = RolloutGroups(rollout_tp, rank % rollout_tp, tp_group, world // rollout_tp,
-                                          rank // rollout_tp, solo_group)
-    return _GROUP_CACHE[key]
-
-
-def join_requests(prompts: list, seeds: list, groups: RolloutGroups | None):
-    """(all prompts, all seeds, (lo, hi)) of the rollout-TP group, which decodes as one batch.
-
-    Ranks of one group may bring different prompts (their training-DP shards), the same ones
-    (training TP/PP peers when rollout TP > training TP), or none (peers that receive the result
-    by broadcast); each distinct contribution is generated once. [lo, hi) are this rank's prompts.
-    """
-    if groups is None or groups.tp == 1:
-        return prompts, seeds, (0, len(prompts))
-    gathered = [None] * groups.tp
-    dist.all_gather_object(gathered, ([list(p) for p in prompts], list(seeds)), group=groups.tp_group)
-    joint_prompts, joint_seeds, offsets = [], [], {}
-    for rank_prompts, rank_seeds in gathered:
-        key = (tuple(map(tuple, rank_prompts)), tuple(rank_seeds))
-        if key not in offsets:
-            offsets[key] = len(joint_prompts)
-            joint_prompts += rank_prompts
-            joint_seeds += rank_seeds
-    mine = gathered[groups.tp_rank]
-    lo = offsets[(tuple(map(tuple, mine[0])), tuple(mine[1]))]
-    return joint_prompts, joint_seeds, (lo, lo + len(prompts))
 
 
 # ---- the weight stream -----------------------------------------------------------------------------
@@ -141,10 +85,24 @@ class _Staging:
         return self._scratch[:torch.Size(shape).numel()].view(shape)
 
 
-def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging, target) -> torch.Tensor:
+def _overlapped(collective, *args, while_waiting=None, **kwargs) -> None:
+    """Run a collective; with `while_waiting`, start it asynchronously and call that meanwhile."""
+    if while_waiting is None:
+        collective(*args, **kwargs)
+        return
+    work = collective(*args, async_op=True, **kwargs)
+    while_waiting()
+    work.wait()
+
+
+def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging, target,
+               while_waiting=None) -> torch.Tensor:
     """The TP-merged tensor: gathered straight into `target(shape)`, or rank-major into the scratch
-    and reordered into `target` with one copy; the shard itself when there is nothing to gather."""
+    and reordered into `target` with one copy; the shard itself when there is nothing to gather
+    (`while_waiting` then runs at once, else during the gather)."""
     if groups.tp == 1 or hc.tp_split_dim(global_name) is None:
+        if while_waiting is not None:
+            while_waiting()
         return shard
     shard = shard.contiguous()
     tp, rest = groups.tp, tuple(shard.shape[1:])
@@ -152,10 +110,10 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
         (shard.shape[0], tp * shard.shape[1])
     if not _reordered(global_name, tp):  # rank-order concatenation along dim 0 is the merged layout
         out = target(full_shape)
-        _all_gather_single(out, shard, group=groups.tp_group)
+        _overlapped(_all_gather_single, out, shard, group=groups.tp_group, while_waiting=while_waiting)
         return out
     ranks = staging.scratch((tp * shard.shape[0],) + rest)  # gloo wants the concatenated shape
-    _all_gather_single(ranks, shard, group=groups.tp_group)
+    _overlapped(_all_gather_single, ranks, shard, group=groups.tp_group, while_waiting=while_waiting)
     ranks = ranks.view((tp,) + tuple(shard.shape))
     out = target(full_shape)
     if global_name.endswith("linear_fc1.weight"):  # rank r holds [gate_r; up_r]: merged [gate_*; up_*]
@@ -165,6 +123,11 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
     return out
 
 
+def source_tensor(local: dict, global_name: str) -> torch.Tensor:
+    """The tensor every handoff path reads for `global_name`: this rank's training shard (detached)."""
+    return local[global_name].detach()
+
+
 def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _Staging) -> list:
     """(hf_name, tensor) of one megatron tensor, in the bucket buffer or as views of the parameter."""
     qkv = _is_qkv(global_name)
@@ -172,7 +135,7 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
     owner = hc.owner_stage(global_name, spec, groups.pp)
     expert_owner = hc.owner_ep_rank(global_name, spec, groups.ep) if groups.ep > 1 else None
     if groups.pp_rank == owner and expert_owner in (None, groups.ep_rank):
-        full = _gather_tp(global_name, local[global_name].detach(), groups, staging, target)
+        full = _gather_tp(global_name, source_tensor(local, global_name), groups, staging, target)
     else:
         full = target(hc.mcore_full_shape(global_name, spec, groups.tp))
     if expert_owner is not None and groups.pp_rank == owner:  # an expert from the EP rank holding it
@@ -221,7 +184,7 @@ def iter_shards(model, spec: GPTSpec, bucket_bytes: int) -> Iterator[list[tuple[
     local = weight_state(model)
     batch, held = [], 0
     for _, global_name in hc.stage_names(spec, 1, 0):
-        shard = local[global_name].detach()
+        shard = source_tensor(local, global_name)
         if batch and held + shard.nbytes > bucket_bytes:
             yield batch
             batch, held = [], 0
@@ -260,6 +223,8 @@ class HandoffReport:
     shared: bool = False
     """The engine reads the training tensors themselves (`shares_weights`): nothing copied (total_bytes 0),
     identity checked (verify "identity")."""
+    engine_layout: bool = False
+    """Sent in the engine's own megatron layout (`_send_layout`): no HF tensor, one digest per source shard."""
 
     @property
     def verified(self) -> bool:
@@ -371,13 +336,82 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     return n_tensors, n_buckets, total, max_bucket
 
 
+def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
+    """Each megatron tensor gathered (TP) and broadcast (PP) in the engine's own layout: straight into its
+    parameter where that is the merged tensor (rollout TP 1, same vocabulary padding), else into a reused
+    scratch the engine takes its slice of (`engine.take_full`). Per bucket, the sources' digests (each
+    training rank's shard, digested once, `engine_layout.source_digests`) are summed over the replica and
+    compared with what the engine reads back from its parameters (`engine.layout_digests`)."""
+    rt, rr, dtype = engine.shard_layout()
+    local = global_weight_state(model, spec, groups)
+    names = list(hc.hf_to_mcore_name_map(spec))
+    targets = engine.layout_targets(names)
+    scratch = el.Scratch(dtype, next(iter(targets.values())).device)
+    n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
+    bucket, digests, stored, held = [], [], {}, 0
+    pending = []  # the tensor written last: the engine reads it back while the next one moves
+
+    def read_back():
+        if verify != "off" and pending:
+            stored.update(engine.layout_digests(pending))
+        pending.clear()
+
+    def flush():
+        read_back()
+        if verify != "off":
+            sent = el.reduce_digests(torch.stack(digests), groups)[:, rr]
+            _received(bucket, stored)
+            el.check_digests(bucket, sent, stored, spec, HandoffError)
+        return 1, max(max_bucket, held)
+
+    for g in names:
+        size = _full_bytes(g, spec, groups.tp, dtype)
+        if bucket and held + size > bucket_bytes:
+            n_new, max_bucket = flush()
+            n_buckets, bucket, digests, held = n_buckets + n_new, [], [], 0
+            stored.clear()
+        param, full_shape = targets[g], hc.mcore_full_shape(g, spec, groups.tp)
+        direct = rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
+        into = (lambda shape, p=param: p) if direct else scratch.full
+        owner = hc.owner_stage(g, spec, groups.pp)
+        shard = source_tensor(local, g) if groups.pp_rank == owner else None
+
+        def meanwhile(g=g, shard=shard, device=param.device):  # touches nothing the collective writes:
+            # the sender's digest of its shard (zeros if it holds none) and the previous tensor's read-back
+            el.append_source_digest(digests, g, shard, spec, groups, rt, device, verify)
+            read_back()
+
+        full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \
+            if shard is not None else into(full_shape)
+        if groups.pp > 1:
+            full = full.contiguous()
+            _overlapped(dist.broadcast, full, group=groups.pp_group, group_src=owner,
+                        while_waiting=meanwhile if groups.tp == 1 or shard is None else None)
+        elif groups.tp == 1:
+            meanwhile()
+        if not direct:
+            engine.take_full(g, full)
+        elif full is not param:  # nothing to gather (TP 1 or replicated): the shard itself
+            param.copy_(full)
+        if direct and hc.is_vocab_tensor(g):
+            param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
+        bucket.append(g)
+        pending.append(g)
+        held += size
+        n_tensors, total = n_tensors + len(hc.hf_sources(g, spec)), total + param.nbytes
+    if bucket:
+        n_new, max_bucket = flush()
+        n_buckets += n_new
+    return n_tensors, n_buckets, total, max_bucket
+
+
 def _share(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     """The engine adopts this rank's training tensors (first handoff) or shows the ones it holds; each
     must be the training tensor itself: the same storage (not a copy at an equal address: the storage
     object, which survives offload / onload), offset, shape, stride and dtype, and the same version
     counter (an alias of the parameter, so every in-place update is seen). No byte is read."""
     local = weight_state(model)
-    shards = [(g, local[g].detach()) for _, g in hc.stage_names(spec, 1, 0)]
+    shards = [(g, source_tensor(local, g)) for _, g in hc.stage_names(spec, 1, 0)]
     held = engine.share_shards(shards)
     if verify != "off":
         for name, sent in shards:
@@ -428,7 +462,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     Where the engine can read this rank's training tensors themselves (`shares_weights`, and `share`),
     it does: nothing is copied and the check is one of identity (`_share`), not of bytes.
     Else, where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
-    into its parameters (no gather, no bucket); otherwise buckets of HF tensors go to
+    into its parameters (no gather, no bucket); else, where `engine_layout.sends_engine_layout`, megatron
+    tensors go into the engine's own layout (`_send_layout`); otherwise buckets of HF tensors go to
     `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
     compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
     Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
@@ -447,7 +482,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
         cuda_base = torch.cuda.memory_allocated()
     shared = share and shares_weights(engine, model, groups)
     direct = shared or takes_shards(engine, model, groups)
-    send = _share if shared else _send_shards if direct else _send_buckets
+    layout = not direct and el.sends_engine_layout(engine, model, spec, groups, verify)
+    send = _share if shared else _send_shards if direct else _send_layout if layout else _send_buckets
     start = time.perf_counter()
     with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
         n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
@@ -460,4 +496,4 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     shown = "identity" if shared and verify != "off" else verify
     return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest,
                          meter.peak if measure_memory else None, cuda_peak, seconds, shown, direct,
-                         0 if shared else verify_bytes(spec, groups.tp, dtype, verify), shared)
+                         0 if shared else verify_bytes(spec, groups.tp, dtype, verify), shared, layout)

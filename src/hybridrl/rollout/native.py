@@ -34,6 +34,7 @@ from hybridrl.models.hf_config import check_parallel_layout
 from hybridrl.placement.offload import TensorStash
 from hybridrl.placement.reshard import RolloutGroups, join_requests, new_rollout_groups
 from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, left_align_routes, pack_output
+from hybridrl.placement.engine_layout import stored_digest
 from hybridrl.placement.fingerprint import Stored, hf_region, weight_digest
 from hybridrl.rollout.continuous_batching import SlotBatch
 from hybridrl.rollout.lean_decode import LeanGPT
@@ -177,6 +178,44 @@ class NativeEngine:
             self._copy_shard(own, shard)
             placed += [(hf, shard.dim()) for hf in hc.hf_sources(own, self.spec)]
         return self._read_back(placed, verify)
+
+    # ---- megatron-layout handoff: a sender writes the parameters, the engine reads back -------
+
+    def layout_targets(self, names: Iterable[str]) -> dict:
+        """{trainer's global megatron name: the parameter it is written into}, at this engine's own layout
+        (`shard_layout`): a resharding sender gathers straight into them (`reshard._send_layout`) or hands
+        full tensors to `take_full`. Wakes the engine and gives it its own storage first, like `load_weights`."""
+        self._own_copy()
+        self._wake_to_overwrite()
+        out = {}
+        for name in names:
+            own = self._own_name(name)
+            out[name] = self.params[own]
+            self._loaded.update(hc.hf_sources(own, self.spec))
+        return out
+
+    @torch.no_grad()
+    def take_full(self, name: str, full: torch.Tensor) -> None:
+        """Copy this rank's shard of a full (TP-merged) megatron tensor into its parameter; vocabulary rows
+        past the true vocabulary stay zero (the full tensor may be padded for another TP)."""
+        param, tp, rank = self.params[self._own_name(name)], self.groups.tp, self.groups.tp_rank
+        if hc.is_vocab_tensor(name):
+            start = rank * param.shape[0]
+            rows = max(0, min(param.shape[0], self.spec.vocab_size - start))
+            param[:rows].copy_(full[start:start + rows])
+        elif tp == 1 or hc.tp_split_dim(name) is None:
+            param.copy_(full)
+        elif "linear_fc1.weight" in name:  # [gate_r; up_r] from the merged [gate; up]
+            for dst, src in zip(param.chunk(2), full.chunk(2)):
+                dst.copy_(src.chunk(tp)[rank])
+        else:
+            param.copy_(full.chunk(tp, dim=hc.tp_split_dim(name))[rank])
+
+    def layout_digests(self, names: Iterable[str]) -> dict:
+        """{name: fingerprint of what the parameter holds of that megatron tensor, at its place in the merged
+        tensor} (`engine_layout.stored_digest`), read back after a `layout_targets` handoff."""
+        return {n: stored_digest(n, self.params[self._own_name(n)], self.spec, self.groups.tp, self.groups.tp_rank)
+                for n in names}
 
     # ---- shared weights: the trainer's own tensors, no copy ------------------------------------
 

@@ -138,7 +138,8 @@ class PPOTrainer:
         if update:
             self.version = step
             with t("update_weights"):
-                self.sync_rollout_weights(now=False)
+                sync = self.sync_rollout_weights(now=False)  # a HandoffReport, or split placement's metrics
+            metrics.update(sync.metrics() if hasattr(sync, "metrics") else sync)
         t.seconds["step"] = time.perf_counter() - step_start
         metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
         metrics.update(self.staleness_metrics(step))

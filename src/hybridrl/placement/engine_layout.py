@@ -1,0 +1,176 @@
+"""The resharded handoff in the engine's own (megatron) layout: each byte gathered straight into the
+engine's parameters where the layouts allow it, digested once at the source and once where it was stored.
+
+A megatron tensor's shard at (tp, rank) covers pieces of the merged tensor (`pieces`: row bands for
+column-parallel tensors, two for gate/up, column bands for row-parallel ones; vocabulary padding left
+out). The position-weighted fingerprint is linear over pieces placed at their origin
+(`fingerprint.weight_fingerprint`), so each training rank digests its own shard once, split by the
+rollout ranks' pieces, and the sums over the replica (one all-reduce per bucket over TP, one over PP)
+are what each rollout rank must have stored; its engine digests its parameter where it holds it.
+Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel or gate/up tensor
+is gathered rank-major into one scratch and reordered by the one copy that writes the engine's
+parameter. Used by `reshard.update_engine_weights` where `sends_engine_layout` (engines that offer
+`layout_targets`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.models import hf_convert as hc
+from hybridrl.models.gpt import GPTSpec
+from hybridrl.models.hf_checkpoint import weight_state
+from hybridrl.placement.fingerprint import weight_fingerprint
+
+
+def _spans(global_name: str, shape: tuple, spec: GPTSpec, tp: int, tp_rank: int) -> list:
+    """(first row, last row + 1, origin) of each piece of the merged megatron tensor that TP rank
+    `tp_rank`'s shard (of `shape`) holds, origin = (row, col) in merged coordinates (a 1-D tensor is
+    one row, split along its columns); vocabulary padding excluded."""
+    dim = hc.tp_split_dim(global_name) if tp > 1 else None
+    n = shape[0]
+    if hc.is_vocab_tensor(global_name):
+        start = tp_rank * n
+        rows = max(0, min(n, spec.vocab_size - start))
+        return [(0, rows, (start, 0))] if rows else []
+    if dim is None:
+        return [(0, n, (0, 0))]
+    if dim == 1:
+        return [(0, n, (0, tp_rank * shape[1]))]
+    if "linear_fc1.weight" in global_name:  # [gate_r; up_r] -> gate rows and up rows of the merged [gate; up]
+        half = n // 2
+        return [(0, half, (tp_rank * half, 0)), (half, n, (tp * half + tp_rank * half, 0))]
+    return [(0, n, (0, tp_rank * n) if len(shape) == 1 else (tp_rank * n, 0))]
+
+
+def pieces(global_name: str, shard: torch.Tensor, spec: GPTSpec, tp: int, tp_rank: int) -> list:
+    """(view, origin) of each piece of the merged tensor held in `shard` (`_spans`)."""
+    return [(shard if (lo, hi) == (0, shard.shape[0]) else shard[lo:hi], origin)
+            for lo, hi, origin in _spans(global_name, tuple(shard.shape), spec, tp, tp_rank)]
+
+
+def _boxes(global_name: str, shape: tuple, spec: GPTSpec, tp: int, tp_rank: int) -> list:
+    """(row0, row1, col0, col1) of each piece, in merged coordinates."""
+    return [(o[0], o[0] + (1 if len(shape) == 1 else hi - lo), o[1], o[1] + shape[-1])
+            for lo, hi, o in _spans(global_name, shape, spec, tp, tp_rank)]
+
+
+def _box(view: torch.Tensor, origin) -> tuple:
+    rows = 1 if view.dim() == 1 else view.shape[0]
+    return origin[0], origin[0] + rows, origin[1], origin[1] + view.shape[-1]
+
+
+def _overlap(view: torch.Tensor, origin, other: tuple):
+    """The part of `view` (placed at `origin`) inside the box `other`, with its origin; None if empty."""
+    r0, r1, c0, c1 = _box(view, origin)
+    lo_r, hi_r, lo_c, hi_c = max(r0, other[0]), min(r1, other[1]), max(c0, other[2]), min(c1, other[3])
+    if lo_r >= hi_r or lo_c >= hi_c:
+        return None
+    if view.dim() > 1:
+        view = view.narrow(0, lo_r - r0, hi_r - lo_r)
+    return view.narrow(-1, lo_c - c0, hi_c - lo_c), (lo_r, lo_c)
+
+
+def shard_shape(global_name: str, spec: GPTSpec, tp: int) -> tuple:
+    full = hc.mcore_full_shape(global_name, spec, tp)
+    dim = hc.tp_split_dim(global_name)
+    return tuple(n // tp if d == dim else n for d, n in enumerate(full))
+
+
+def source_digests(global_name: str, shard: torch.Tensor, spec: GPTSpec, tp: int, tp_rank: int,
+                   rollout_tp: int) -> torch.Tensor:
+    """[rollout_tp] int64: the fingerprint of the part of this shard each rollout-TP rank stores."""
+    out = []
+    shape = shard_shape(global_name, spec, rollout_tp)
+    for k in range(rollout_tp):
+        boxes = _boxes(global_name, shape, spec, rollout_tp, k)
+        total = torch.zeros((), dtype=torch.int64, device=shard.device)
+        for view, origin in pieces(global_name, shard, spec, tp, tp_rank):
+            for box in boxes:
+                part = _overlap(view, origin, box)
+                if part is not None:
+                    total = total + weight_fingerprint(*part)
+        out.append(total)
+    return torch.stack(out)
+
+
+def stored_digest(global_name: str, param: torch.Tensor, spec: GPTSpec, tp: int, tp_rank: int) -> torch.Tensor:
+    """The fingerprint of what an engine at (tp, tp_rank) holds of a megatron tensor, read from `param`."""
+    total = torch.zeros((), dtype=torch.int64, device=param.device)
+    for view, origin in pieces(global_name, param, spec, tp, tp_rank):
+        total = total + weight_fingerprint(view, origin)
+    return total
+
+
+def words_align(global_name: str, spec: GPTSpec, tp: int, rollout_tp: int, dtype: torch.dtype) -> bool:
+    """Every piece boundary on the last dim falls on a fingerprint word (bf16 pairs pack into 32 bits),
+    so sender and receiver read the same words."""
+    per_word = max(1, 4 // dtype.itemsize)
+    last = hc.mcore_full_shape(global_name, spec)[-1]
+    split_last = hc.tp_split_dim(global_name) == 1 or len(hc.mcore_full_shape(global_name, spec)) == 1
+    widths = [last] + ([last // tp, last // rollout_tp] if split_last else [])
+    return all(w % per_word == 0 for w in widths)
+
+
+def append_source_digest(digests: list, g: str, shard, spec: GPTSpec, groups, rt: int, device, verify: str) -> None:
+    """Append this rank's share of the sources' digests of `g` for each rollout-TP rank (zeros where it
+    holds no part of it: another stage, or a TP-replicated tensor on TP ranks > 0)."""
+    if verify == "off":
+        return
+    contributes = shard is not None and (groups.tp_rank == 0 or hc.tp_split_dim(g) is not None)
+    digests.append(source_digests(g, shard, spec, groups.tp, groups.tp_rank, rt) if contributes
+                   else torch.zeros(rt, dtype=torch.int64, device=device))
+
+
+def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bool:
+    """The engine takes megatron tensors in its own layout (`layout_targets`), on the training tensors'
+    device and dtype, EP 1, with a fingerprint check (or none) whose words both ends can read alike."""
+    if not hasattr(engine, "layout_targets") or verify == "exact" or groups.ep > 1:
+        return False
+    sample = next(iter(weight_state(model).values()))
+    rt, _, dtype = engine.shard_layout()
+    return (dtype == sample.dtype and getattr(engine, "device", None) == sample.device
+            and all(words_align(g, spec, groups.tp, rt, dtype) for g in hc.hf_to_mcore_name_map(spec)))
+
+
+class Scratch:
+    """Reused full-tensor buffers: `scratch` for a gather to reorder (rank-major), `full` for a merged
+    tensor the engine takes its slice of (rollout TP > 1 or another vocabulary padding)."""
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device, self._bufs = dtype, device, {}
+
+    def scratch(self, shape) -> torch.Tensor:
+        return self._get("scratch", shape)
+
+    def full(self, shape) -> torch.Tensor:
+        return self._get("full", shape)
+
+    def _get(self, which: str, shape) -> torch.Tensor:
+        n = torch.Size(shape).numel()
+        buf = self._bufs.get(which)
+        if buf is None or buf.numel() < n:
+            del buf
+            self._bufs.pop(which, None)  # the smaller buffer goes before the larger one comes
+            buf = self._bufs[which] = torch.empty(n, dtype=self.dtype, device=self.device)
+        return buf[:n].view(shape)
+
+
+def check_digests(names: list, sent: torch.Tensor, stored: dict, spec: GPTSpec, error) -> None:
+    """Each engine-read digest equals the sum of the sources' digests of that slice (one host sync)."""
+    theirs = torch.stack([stored[n].to(sent.device) for n in names])
+    bad = (sent != theirs).nonzero().flatten().tolist()
+    if bad:
+        i = bad[0]
+        raise error(f"engine's stored copy of {names[i]!r} (HF {', '.join(hc.hf_sources(names[i], spec))}) differs "
+                    f"from what was sent: fingerprint sent {sent[i].item()}, read back {theirs[i].item()} "
+                    f"({len(bad)} tensors differ in this bucket)")
+
+
+def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
+    """Sum the sources' digests over the training replica (non-holders gave zeros)."""
+    if groups.tp > 1:
+        dist.all_reduce(digests, group=groups.tp_group)
+    if groups.pp > 1:
+        dist.all_reduce(digests, group=groups.pp_group)
+    return digests
