@@ -183,6 +183,10 @@ def parse_args(doc: str, trl_python: str, rounds: int = 3):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--trl-python", default=trl_python, help="python of the side environment with TRL")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--max-wait", type=float, default=180,
+                   help="seconds each run waits at most for the 1-minute load to fall below 2.5")
+    p.add_argument("--rerun-load", type=float, default=RERUN_LOAD,
+                   help="a run whose 1-minute load at its end exceeds this runs again, once")
     return p.parse_args()
 
 
@@ -199,7 +203,7 @@ def alternate(c: Comparison, args) -> list:
         rnd = {}
         for side in sides[i % len(sides):] + sides[:i % len(sides)]:
             for attempt in range(2):  # a run that other work disturbed (load > RERUN_LOAD at its end) runs again, once
-                bl.wait_quiet()  # other work on the machine: wait a little for it (the stamp shows what was left)
+                bl.wait_quiet(max_s=args.max_wait)  # other work: wait a little for it (the stamp shows what was left)
                 at = bl.sample()
                 if side in trl_extra:
                     trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
@@ -211,7 +215,7 @@ def alternate(c: Comparison, args) -> list:
                     rnd[side] = run_hybridrl(run_dir, args.steps, list(overrides[side]), c.stages)
                 rnd[side]["samples"] = [at, bl.sample()]
                 rnd[side]["attempts"] = attempt + 1
-                if rnd[side]["samples"][-1][1] <= RERUN_LOAD:
+                if rnd[side]["samples"][-1][1] <= args.rerun_load:
                     break
         shared_bound(c, rnd)
         runs.append(rnd)
@@ -324,8 +328,8 @@ def report(c: Comparison, runs: list, args, prof: dict) -> tuple:
     reruns = sum(v["attempts"] - 1 for r in runs for v in r.values())
     text = (f"## {c.title}\n\nMedian wall seconds per step, end of one step to the end of the next on both sides "
             f"(steps 2..{args.steps} of each run; {args.rounds} rounds, the sides' order rotating each round; a run "
-            f"whose 1-minute load at its end exceeded {RERUN_LOAD:g} ran again once, {reruns} time(s) in this run; "
-            f"each run waited up to 3 min for the load to fall below 2.5), "
+            f"whose 1-minute load at its end exceeded {args.rerun_load:g} ran again once, {reruns} time(s) in this run; "
+            f"each run waited up to {args.max_wait:g} s for the load to fall below 2.5), "
             f"{c.setup}, fp32, 2 threads, AdamW lr {c.lr:g}{c.notes.get('sides', '')}.\n\n"
             + round_table(c, runs, hyb)
             + f"\n\nTarget hybridrl <= 0.5x TRL: {target}. Without garbage collection on either side (each step "
