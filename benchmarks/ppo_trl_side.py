@@ -82,10 +82,9 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr, mini_batche
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     value = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
     reward = DigitShareRewardModel(tokenizer, policy.config.vocab_size)
-    n = 32  # rows per rollout batch: TRL's batch is per_device_train_batch_size x num_mini_batches
+    n = 32  # rows per rollout batch (TRL 1.0: per_device_train_batch_size; a mini-batch is n / num_mini_batches)
     args = PPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=n // int(mini_batches), gradient_accumulation_steps=1,
-        num_mini_batches=int(mini_batches),
+        output_dir=out_dir, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_mini_batches=int(mini_batches),
         num_ppo_epochs=int(epochs), local_rollout_forward_batch_size=n, total_episodes=n * int(steps), response_length=32,
         learning_rate=float(lr), lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, temperature=1.0,
         kl_coef=0.05, kl_estimator="k1", cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95,
