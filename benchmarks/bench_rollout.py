@@ -323,7 +323,8 @@ def main() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the engine builds on CUDA whenever it sees one
     from dist_helper import run_distributed
 
-    res = run_distributed(body, 1, args.rounds, args.device, args.threads, timeout=1800)[0]
+    # a round is 12 cells x 4 peers + bounds: minutes on 2 quiet cores, many more on a loaded machine
+    res = run_distributed(body, 1, args.rounds, args.device, args.threads, timeout=900 * (args.rounds + 2))[0]
     text, summary = report(res, args.rounds, args.device, args.threads)
     print(text)
     if not args.no_write:
