@@ -20,12 +20,14 @@ LR = 1e-5
 SEQ = 4 + 32  # prompt + response tokens of every row
 
 
-def training_passes(hybridrl_stages: dict) -> dict:
-    """The passes each side ran (hybridrl's from the stages it logged)."""
-    hybridrl = [("actor fwd+bwd", 32, SEQ, True, True)]
-    if "old_log_prob" in hybridrl_stages:  # absent when the update's own forward gives the old log-probs
-        hybridrl.insert(0, ("old log-prob fwd", 32, SEQ, True, False))
-    return {"hybridrl": hybridrl, "TRL": [("policy fwd+bwd", 32, SEQ, True, True)]}
+def training_passes(side: str, stages: dict) -> list:
+    """The passes a side ran (hybridrl's from the stages it logged)."""
+    if side == "TRL":
+        return [tc.Pass("policy fwd+bwd", 32, SEQ, 32, True, True)]
+    hybridrl = [tc.Pass("actor fwd+bwd", 32, SEQ, 32, True, True)]
+    if "old_log_prob" in stages:  # absent when the update's own forward gives the old log-probs
+        hybridrl.insert(0, tc.Pass("old log-prob fwd", 32, SEQ, 32, True, False))
+    return hybridrl
 
 
 SAME_LOSS = ("actor.entropy_coeff=0", "actor.loss_agg_mode=token-mean", "algorithm.norm_adv_by_std_in_grpo=true",

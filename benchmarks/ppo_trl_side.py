@@ -1,13 +1,14 @@
 """TRL side of bench_ppo_vs_trl.py (TRL 1.0's `trl.experimental.ppo.PPOTrainer`), timed per step.
 
-    .venv-bench-trl100/bin/python benchmarks/ppo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR
+    .venv-bench-trl100/bin/python benchmarks/ppo_trl_side.py MODEL_DIR TOKENIZER_DIR PROMPTS_JSON OUT_DIR STEPS LR \
+        [MINI_BATCHES EPOCHS]
 
 Prints one JSON line last: step_s (also as wall_s: from on_train_begin or one on_step_end to the
 next, all of the loop), completion_len, and per step generate_s (`batch_generation`: HF generate),
 score_s (the no-grad forwards of the rollout phase: reference, value model, reward model), gc_s
 (garbage collection, `gc.callbacks`: TRL's two `gc.collect()` per update and any automatic one) and
-train_s (the rest: the PPO epoch, policy and value forward/backward, AdamW, loader and logging). Settings mirror the hybridrl
-side: 32 prompts x 1 sample x 32 new tokens, one PPO epoch of one mini-batch (one AdamW step), KL
+train_s (the rest: the PPO epochs, policy and value forward/backward, AdamW, loader and logging). Settings mirror the hybridrl
+side: 32 prompts x 1 sample x 32 new tokens, MINI_BATCHES mini-batches x EPOCHS PPO epochs (default 1 x 1: one AdamW step), KL
 penalty k1 x 0.05 in the reward, GAE gamma 1 lam 0.95, clip 0.2, value clip 0.2, T=1, fp32, 2 threads.
 TRL's PPO needs a reward *model*: `DigitShareRewardModel` scores the share of digit characters in
 the decoded response, the trivial reward the hybridrl side uses (checked equal on the first batch).
@@ -64,7 +65,7 @@ def _timers(module, parts):
     module.forward = timed(module.forward, "forward")
 
 
-def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
+def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr, mini_batches=1, epochs=1):
     import datasets
     import transformers
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -81,10 +82,10 @@ def main(model_dir, tokenizer_dir, prompts_json, out_dir, steps, lr):
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     value = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
     reward = DigitShareRewardModel(tokenizer, policy.config.vocab_size)
-    n = 32
+    n = 32  # rows per rollout batch (TRL 1.0: per_device_train_batch_size; a mini-batch is n / num_mini_batches)
     args = PPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_mini_batches=1,
-        num_ppo_epochs=1, local_rollout_forward_batch_size=n, total_episodes=n * int(steps), response_length=32,
+        output_dir=out_dir, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_mini_batches=int(mini_batches),
+        num_ppo_epochs=int(epochs), local_rollout_forward_batch_size=n, total_episodes=n * int(steps), response_length=32,
         learning_rate=float(lr), lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, temperature=1.0,
         kl_coef=0.05, kl_estimator="k1", cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95,
         whiten_rewards=False, missing_eos_penalty=None, stop_token=None, num_sample_generations=0, bf16=False,

@@ -127,9 +127,25 @@ def check_trl_python(trl_python: str, version: str) -> None:
 
 
 @dataclass(frozen=True)
+class Pass:
+    """One training pass for the matmul-only bound: `times` x (forward, with backward: and its
+    gradients) of the bench model over rows x seq_len tokens, the head over rows x head_len of them."""
+    label: str
+    rows: int
+    seq_len: int
+    head_len: int  # positions per row the head runs over: the response (the loss and values need no more)
+    lm_head: bool  # the vocabulary head, else the critic's [H, 1] value head
+    backward: bool
+    times: int = 1
+
+    def shape(self) -> tuple:
+        return self.rows, self.seq_len, self.head_len, self.lm_head, self.backward
+
+
+@dataclass(frozen=True)
 class Comparison:
-    """What one benchmark against TRL runs; `passes(stage medians of hybridrl) -> {side: [pass]}`
-    lists the training passes of each side for the matmul-only bound (see bound_table)."""
+    """What one benchmark against TRL runs; `passes(side label, its stage medians) -> [Pass]` lists the
+    training passes of a side (a hybridrl variant or a TRL side) for the matmul-only bound (bound_table)."""
     name: str  # RESULTS.md section and prefix of the run folders under outputs/bench
     title: str
     setup: str  # one step's work, for the report
@@ -144,21 +160,33 @@ class Comparison:
     profiled: str  # the hybridrl stage whose profile is attached
     passes: Callable
     notes: dict = field(default_factory=dict)  # extra sentences: "lengths", "bound"
-    variants: tuple = ()  # (label, overrides) of each hybridrl side; empty: one side, "hybridrl", `overrides`
+    variants: tuple = ()
+    """(label, overrides[, TRL side label]) of each hybridrl side, compared with that TRL side ("TRL" when
+    not named); empty: one side, "hybridrl", `overrides`."""
+    trl_sides: tuple = (("TRL", ()),)  # (label, extra arguments of trl_script) of each TRL side
+    rounds: int = 3  # default of --rounds
 
     def sides(self) -> list:
         """(label, overrides) of the hybridrl sides; the first is the one profiled."""
-        return list(self.variants) or [("hybridrl", self.overrides)]
+        return [tuple(v[:2]) for v in self.variants] or [("hybridrl", self.overrides)]
+
+    def peer(self, side: str) -> str:
+        """The TRL side a hybridrl side is compared with."""
+        return next((v[2] for v in self.variants if v[0] == side and len(v) > 2), "TRL")
 
 
-def parse_args(doc: str, trl_python: str):
+def parse_args(doc: str, trl_python: str, rounds: int = 3):
     import argparse
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--trl-python", default=trl_python, help="python of the side environment with TRL")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--max-wait", type=float, default=180,
+                   help="seconds each run waits at most for the 1-minute load to fall below 2.5")
+    p.add_argument("--rerun-load", type=float, default=RERUN_LOAD,
+                   help="a run whose 1-minute load at its end exceeds this runs again, once")
     return p.parse_args()
 
 
@@ -169,35 +197,46 @@ def alternate(c: Comparison, args) -> list:
     """args.rounds rounds of one run per side (each hybridrl variant, then TRL; the order rotates by one
     each round), args.steps steps each, on the same prompts. Per run: its steps and (time, load) samples."""
     prompts, runs = prompts_json(), []
-    sides = [label for label, _ in c.sides()] + ["TRL"]
-    overrides = dict(c.sides())
+    sides = [label for label, _ in c.sides()] + [label for label, _ in c.trl_sides]
+    overrides, trl_extra = dict(c.sides()), dict(c.trl_sides)
     for i in range(args.rounds):
         rnd = {}
         for side in sides[i % len(sides):] + sides[:i % len(sides)]:
             for attempt in range(2):  # a run that other work disturbed (load > RERUN_LOAD at its end) runs again, once
-                bl.wait_quiet()  # other work on the machine: wait a little for it (the stamp shows what was left)
+                bl.wait_quiet(max_s=args.max_wait)  # other work: wait a little for it (the stamp shows what was left)
                 at = bl.sample()
-                if side == "TRL":
+                if side in trl_extra:
                     trl_args = [bl.bench_model_folder(), bl.bench_tokenizer_folder(), prompts,
-                                os.path.join(bl.WORK, f"{c.name}_trl_{i}"), args.steps, c.lr]
+                                os.path.join(bl.WORK, f"{c.name}_{side.replace(' ', '_')}_{i}"), args.steps, c.lr,
+                                *trl_extra[side]]
                     rnd[side] = run_trl(args.trl_python, c.trl_script, trl_args, c.trl_stages)
                 else:
                     run_dir = os.path.join(bl.WORK, f"{c.name}_{side.replace(' ', '_')}_{i}")
                     rnd[side] = run_hybridrl(run_dir, args.steps, list(overrides[side]), c.stages)
                 rnd[side]["samples"] = [at, bl.sample()]
                 rnd[side]["attempts"] = attempt + 1
-                if rnd[side]["samples"][-1][1] <= RERUN_LOAD:
+                if rnd[side]["samples"][-1][1] <= args.rerun_load:
                     break
-            # the matmul-only bound of the passes this side ran, timed right after it (same machine state)
-            ran = c.passes({k: 0 for k in rnd[side]["stages"]})["TRL" if side == "TRL" else "hybridrl"]
-            rnd[side]["bound_s"] = sum(matmul_seconds(*p[1:]) for p in ran)
+        shared_bound(c, rnd)
         runs.append(rnd)
         print(f"round {i + 1}: " + ", ".join(f"{k} {bl.median(v['step_s']):.3f}" for k, v in rnd.items()), flush=True)
     return runs
 
 
+def shared_bound(c: Comparison, rnd: dict) -> None:
+    """bound_s of every side of a round: each distinct pass shape timed once, after the round's runs, and
+    shared by every side that ran it (two sides never differ by the noise of timing the same matmuls)."""
+    ran = {side: c.passes(side, {k: 0 for k in run["stages"]}) for side, run in rnd.items()}
+    seconds = {}
+    for p in (p for passes in ran.values() for p in passes):
+        if p.shape() not in seconds:
+            seconds[p.shape()] = matmul_seconds(p)
+    for side, passes in ran.items():
+        rnd[side]["bound_s"] = sum(p.times * seconds[p.shape()] for p in passes)
+
+
 def main(c: Comparison, doc: str) -> None:
-    args = parse_args(doc, os.path.join(bl.ROOT, c.trl_venv, "bin", "python"))
+    args = parse_args(doc, os.path.join(bl.ROOT, c.trl_venv, "bin", "python"), c.rounds)
     check_trl_python(args.trl_python, c.trl_version)
     runs = alternate(c, args)
     prof = profile_hybridrl(c.name, args.steps, list(c.sides()[0][1]), c.profiled)
@@ -209,27 +248,31 @@ def main(c: Comparison, doc: str) -> None:
 
 # ---- report ------------------------------------------------------------------------------------
 
-def pooled(runs: list, side: str) -> float:
-    return bl.median([t for r in runs for t in r[side]["step_s"]])
+def pooled(runs: list, side: str, gc: bool = True) -> float:
+    """Median step over every kept step of every round; gc=False: each step less its garbage collection."""
+    return bl.median([t - (0 if gc else g) for r in runs for t, g in zip(r[side]["step_s"], r[side]["gc_s"])])
 
 
 def samples(runs: list, side: str | None = None) -> list:
     return [x for r in runs for k, v in r.items() if side in (None, k) for x in v["samples"]]
 
 
-def round_table(runs: list, hyb: list) -> str:
+def round_ratios(runs: list, side: str, peer: str, gc: bool = True) -> list:
+    """side / peer of each round (medians of its steps)."""
+    return [pooled([r], side, gc) / pooled([r], peer, gc) for r in runs]
+
+
+def round_table(c: Comparison, runs: list, hyb: list) -> str:
+    everyone = hyb + [label for label, _ in c.trl_sides]
     rows = []
     for i, r in enumerate(runs):
-        t = bl.median(r["TRL"]["step_s"])
-        h = [bl.median(r[side]["step_s"]) for side in hyb]
-        rows.append([i + 1] + [f"{x:.3f}" for x in h] + [f"{t:.3f}"] + [f"{x / t:.2f}x" for x in h]
+        rows.append([i + 1] + [f"{pooled([r], side):.3f}" for side in everyone]
+                    + [f"{pooled([r], side) / pooled([r], c.peer(side)):.2f}x" for side in hyb]
                     + bl.stamp([x for v in r.values() for x in v["samples"]]))
-    t = pooled(runs, "TRL")
-    h = [pooled(runs, side) for side in hyb]
-    rows.append(["all"] + [f"**{x:.3f}**" for x in h] + [f"**{t:.3f}**"] + [f"**{x / t:.2f}x**" for x in h]
-                + bl.stamp(samples(runs)))
-    return bl.table(["round"] + [f"{side} s/step" for side in hyb] + ["TRL s/step"]
-                    + [f"{side} / TRL" for side in hyb] + bl.STAMP_HEADER, rows)
+    rows.append(["all"] + [f"**{pooled(runs, side):.3f}**" for side in everyone]
+                + [f"**{pooled(runs, side) / pooled(runs, c.peer(side)):.2f}x**" for side in hyb] + bl.stamp(samples(runs)))
+    return bl.table(["round"] + [f"{side} s/step" for side in everyone]
+                    + [f"{side} / {c.peer(side)}" for side in hyb] + bl.STAMP_HEADER, rows)
 
 
 def stage_medians(runs: list, side: str) -> dict:
@@ -248,12 +291,12 @@ def training_part(runs: list, side: str, outside: tuple) -> float:
         run["stages"][k][j] for k in outside if k in run["stages"])))
 
 
-def stage_table(runs: list, hyb: list) -> str:
+def stage_table(runs: list, hyb: list, trl: list) -> str:
     rows = []
-    for side in hyb + ["TRL"]:
+    for side in hyb + trl:
         total, stamp = pooled(runs, side), bl.stamp(samples(runs, side))
         items = list(stage_medians(runs, side).items())
-        if side != "TRL":  # what the trainer's own step timer leaves out of the window
+        if side in hyb:  # what the trainer's own step timer leaves out of the window
             items.append(("outside timing_s/step (data fetch, logging)",
                           bl.median(per_step(runs, side, lambda run, j: run["wall_s"][j] - run["timing_s_step"][j]))))
         items.append(("garbage collection (all collections)", bl.median(per_step(runs, side, lambda run, j: run["gc_s"][j]))))
@@ -262,44 +305,51 @@ def stage_table(runs: list, hyb: list) -> str:
     return bl.table(["side", "stage", "s", "share of step"] + bl.STAMP_HEADER, rows)
 
 
+def _ratio_cell(runs: list, side: str, peer: str, gc: bool) -> str:
+    per_round = round_ratios(runs, side, peer, gc)
+    return (f"**{pooled(runs, side, gc) / pooled(runs, peer, gc):.2f}x** {peer} ({pooled(runs, side, gc):.3f} s vs "
+            f"{pooled(runs, peer, gc):.3f} s; rounds {min(per_round):.2f}-{max(per_round):.2f}x over {len(runs)})")
+
+
 def report(c: Comparison, runs: list, args, prof: dict) -> tuple:
     """(section text, Summary rows)."""
-    hyb = [label for label, _ in c.sides()]
+    hyb, trl = [label for label, _ in c.sides()], [label for label, _ in c.trl_sides]
     for r in runs:  # the trainer's own timer, beside the wall window
         for side in hyb:
             r[side]["timing_s_step"] = r[side].pop("step_s")
             r[side]["step_s"] = r[side]["wall_s"]
-    ratios = {side: pooled(runs, side) / pooled(runs, "TRL") for side in hyb}
-    verdicts = {side: "met" if x <= 0.5 else f"missed: {x / 0.5:.1f}x off the target" for side, x in ratios.items()}
+    ratios = {side: pooled(runs, side) / pooled(runs, c.peer(side)) for side in hyb}
+    verdict = lambda x: "met" if x <= 0.5 else f"missed: {x / 0.5:.1f}x off the target"  # noqa: E731
     training = {side: training_part(runs, side, ("gen", "update_weights")) for side in hyb}
-    training["TRL"] = training_part(runs, "TRL", (c.trl_rollout_stage,))
-    passes = {side: c.passes(stage_medians(runs, side))["hybridrl"] for side in hyb}
-    passes["TRL"] = c.passes({})["TRL"]
+    training.update({side: training_part(runs, side, (c.trl_rollout_stage,)) for side in trl})
+    passes = {side: c.passes(side, stage_medians(runs, side)) for side in hyb + trl}
     bounds = {side: bl.median([r[side]["bound_s"] for r in runs]) for side in passes}
-    target = "; ".join(f"{side} **{x:.2f}x** ({verdicts[side]})" for side, x in ratios.items())
+    target = "; ".join(f"{side} **{x:.2f}x** {c.peer(side)} ({verdict(x)})" for side, x in ratios.items())
     reruns = sum(v["attempts"] - 1 for r in runs for v in r.values())
     text = (f"## {c.title}\n\nMedian wall seconds per step, end of one step to the end of the next on both sides "
             f"(steps 2..{args.steps} of each run; {args.rounds} rounds, the sides' order rotating each round; a run "
-            f"whose 1-minute load at its end exceeded {RERUN_LOAD:g} ran again once, {reruns} time(s) in this run; "
-            f"each run waited up to 3 min for the load to fall below 2.5), "
+            f"whose 1-minute load at its end exceeded {args.rerun_load:g} ran again once, {reruns} time(s) in this run; "
+            f"each run waited up to {args.max_wait:g} s for the load to fall below 2.5), "
             f"{c.setup}, fp32, 2 threads, AdamW lr {c.lr:g}{c.notes.get('sides', '')}.\n\n"
-            + round_table(runs, hyb)
-            + f"\n\nTarget hybridrl <= 0.5x TRL: {target}. Mean response lengths seen: "
-            f"{lengths(runs, hyb)}{c.notes.get('lengths', '')}.\n\nStage medians (hybridrl: timing_s/*, and what "
+            + round_table(c, runs, hyb)
+            + f"\n\nTarget hybridrl <= 0.5x TRL: {target}. Without garbage collection on either side (each step "
+            f"less its own collections): " + "; ".join(f"{side} " + _ratio_cell(runs, side, c.peer(side), False) for side in hyb)
+            + f". Mean response lengths seen: {lengths(runs, hyb + trl)}{c.notes.get('lengths', '')}.\n\n"
+            f"Stage medians (hybridrl: timing_s/*, and what "
             f"its step timer leaves out of the wall window; TRL: the methods named timed inside its trainer, the "
             f"rest of its window is its training part, loader and logging; garbage collection on both sides "
-            f"through `gc.callbacks`):\n\n" + stage_table(runs, hyb)
+            f"through `gc.callbacks`):\n\n" + stage_table(runs, hyb, trl)
             + f"\n\nTraining part (median over steps of the wall step minus generation, minus garbage collection, "
             f"and for hybridrl minus update_weights; TRL: minus {c.trl_rollout_stage}) against the matmul-only time "
-            f"of the passes that ran, over the same tokens, on this machine{c.notes.get('bound', '')}"
-            f" (median over rounds of the bound timed right after each run):"
+            f"of the passes that ran, over the same tokens, on this machine{c.notes.get('bound', '')}. "
+            f"One bound per round shared by every side: each distinct pass shape timed once after the round's "
+            f"runs; projections over every token, attention as batched matmuls over the causal half, the head over "
+            f"the response positions only; the median over rounds is shown:"
             f"\n\n" + bound_table(passes, training, bounds, {side: bl.stamp(samples(runs, side)) for side in passes})
             + "\n\n" + profile_text(prof, c.profiled) + f"\n\nPeer: {trl_versions(args.trl_python)}.")
-    summary = [[f"{c.name.upper()} step <= 0.5x TRL ({side})",
-                f"**{ratios[side]:.2f}x** TRL ({pooled(runs, side):.3f} s vs {pooled(runs, 'TRL'):.3f} s, wall "
-                f"window; rounds " + " / ".join(f"{bl.median(r[side]['step_s']) / bl.median(r['TRL']['step_s']):.2f}x"
-                                                 for r in runs) + ")",
-                verdicts[side]] + bl.stamp(samples(runs)) for side in hyb]
+    summary = [[f"{c.name.upper()} step <= 0.5x TRL ({side}{'' if gc else ', both sides without garbage collection'})",
+                _ratio_cell(runs, side, c.peer(side), gc), verdict(pooled(runs, side, gc) / pooled(runs, c.peer(side), gc))]
+               + bl.stamp(samples(runs)) for side in hyb for gc in (True, False)]
     return text, summary
 
 
@@ -310,49 +360,63 @@ def lengths(runs: list, sides: list) -> str:
 
 # ---- FLOP-bound time ---------------------------------------------------------------------------
 
-def _gemm_s(m: int, k: int, n: int, reps: int = 9) -> float:
-    """Median seconds of one [m, k] @ [k, n] fp32 matmul on this machine (2 threads)."""
+def _matmul_s(*shapes: tuple, reps: int = 9) -> float:
+    """Median seconds of one fp32 matmul of random operands of `shapes` on this machine (2 threads):
+    torch.mm of [m, k] @ [k, n], torch.bmm of [b, m, k] @ [b, k, n]."""
     import torch
 
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    torch.mm(a, b)
+    x, y = (torch.randn(*shape) for shape in shapes)
+    op = torch.mm if x.dim() == 2 else torch.bmm
+    op(x, y)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        torch.mm(a, b)
+        op(x, y)
         times.append(time.perf_counter() - start)
     return bl.median(times)
 
 
-def matmul_seconds(sequences: int, seq_len: int, lm_head: bool = True, backward: bool = False) -> float:
-    """The matmuls of one forward (with backward: x3, data and weight gradients timed as their own
-    shapes) of the bench model over sequences x seq_len tokens: projections, attention scores and
-    values per head, and the LM head (or the critic's [H, 1] value head). No other op is counted."""
+def _gemm_s(m: int, k: int, n: int) -> float:
+    return _matmul_s((m, k), (k, n))
+
+
+def _bmm_s(b: int, m: int, k: int, n: int) -> float:
+    return _matmul_s((b, m, k), (b, k, n))
+
+
+def matmul_seconds(p: Pass) -> float:
+    """The matmuls of one pass (with backward: data and weight gradients timed as their own shapes) of the
+    bench model: every projection over rows x seq_len tokens; attention as batched matmuls (QK^T and PV
+    per row and head, with backward dS, dV, dQ, dK) over the causal half (the full square over half the
+    (row, head) pairs: the same FLOPs); the LM head (or the critic's [H, 1] value head) over rows x
+    head_len positions. No other op is counted."""
     import torch
 
     torch.set_num_threads(2)
     m = bl.BENCH_MODEL
     h, heads, kv, inter = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"], m["intermediate_size"]
-    d, tokens = h // heads, sequences * seq_len
-    linears = [(h, (heads + 2 * kv) * d), (heads * d, h), (h, 2 * inter), (inter, h)] * m["num_hidden_layers"]
-    linears.append((h, m["vocab_size"] if lm_head else 1))
+    d, tokens, s = h // heads, p.rows * p.seq_len, p.seq_len
+    linears = [(tokens, h, (heads + 2 * kv) * d), (tokens, heads * d, h), (tokens, h, 2 * inter),
+               (tokens, inter, h)] * m["num_hidden_layers"]
+    linears.append((p.rows * p.head_len, h, m["vocab_size"] if p.lm_head else 1))
     total = 0.0
-    for k, n in linears:
-        total += _gemm_s(tokens, k, n)
-        if backward:
-            total += _gemm_s(tokens, n, k) + _gemm_s(k, tokens, n)  # dX = dY W^T, dW = X^T dY
-    per_layer_attention = sequences * heads * (_gemm_s(seq_len, d, seq_len) + _gemm_s(seq_len, seq_len, d))
-    total += per_layer_attention * m["num_hidden_layers"] * (3 if backward else 1)
-    return total
+    for rows, k, n in linears:
+        total += _gemm_s(rows, k, n)
+        if p.backward:
+            total += _gemm_s(rows, n, k) + _gemm_s(k, rows, n)  # dX = dY W^T, dW = X^T dY
+    pairs = max(1, p.rows * heads // 2)
+    scores, values = _bmm_s(pairs, s, d, s), _bmm_s(pairs, s, s, d)  # QK^T; PV (and dV, dQ, dK: same shape)
+    attention = scores + values + ((scores + 3 * values) if p.backward else 0.0)
+    return total + attention * m["num_hidden_layers"]
 
 
 def bound_table(passes: dict, measured: dict, bounds: dict, stamps: dict) -> str:
-    """passes: side -> [(label, sequences, seq_len, lm_head, backward)], the passes that ran;
-    measured: side -> training s; bounds: side -> their matmul-only s; stamps: side -> STAMP_HEADER cells."""
+    """passes: side -> [Pass], the passes that ran; measured: side -> training s; bounds: side -> their
+    matmul-only s; stamps: side -> STAMP_HEADER cells."""
     rows = []
     for side, items in passes.items():
         bound = bounds[side]
-        names = " + ".join(label for label, *_ in items)
+        names = " + ".join(p.label if p.times == 1 else f"{p.times} x {p.label}" for p in items)
         rows.append([side, names, f"{measured[side]:.3f}", f"{bound:.3f}", f"{measured[side] / bound:.1f}x"]
                     + stamps[side])
     return bl.table(["side", "training passes that ran (matmuls timed)", "measured s", "matmul-only s",
