@@ -195,8 +195,9 @@ def _roles(ctx: _Ctx) -> dict:
 
 def shares_weights(cfg: Config, layout: Layout) -> bool:
     """The native engine reads the actor's own weights (`reshard.shares_weights`): colocated, rollout TP =
-    TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype)."""
+    TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype), no LoRA (merged copies)."""
     return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
+            and not cfg.actor.lora.enabled
             and layout.rollout_tp == layout.tp and layout.pp == 1 and layout.ep == 1)
 
 
