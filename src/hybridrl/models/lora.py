@@ -220,9 +220,10 @@ def targets(model, cfg: LoraConfig) -> list:
     return out
 
 
-def apply_lora(model, cfg: LoraConfig, spec, pp: int, pp_rank: int, seed: int = 0) -> int:
+def apply_lora(model, cfg: LoraConfig, spec, pp: int, pp_rank: int, seed: int = 0, base: str = "") -> int:
     """Freeze every parameter of `model` and add trainable adapters to the targeted linears (before DDP
-    wraps it). Returns how many HF modules got an adapter on this rank."""
+    wraps it); `base` names the HF folder of the frozen weights (checkpoints record it, not the weights).
+    Returns how many HF modules got an adapter on this rank."""
     gpt = _unwrap(model)
     for p in gpt.parameters():
         p.requires_grad_(False)
@@ -259,7 +260,7 @@ def apply_lora(model, cfg: LoraConfig, spec, pp: int, pp_rank: int, seed: int = 
         module.__class__ = column if is_column else row
         module.lora_adapters, module.lora_parts, module.lora_groups = adapters, parts, groups
         module.lora_scaling = cfg.scaling
-    gpt.lora_config = cfg
+    gpt.lora_config, gpt.lora_base = cfg, base
     return count
 
 
@@ -269,6 +270,16 @@ def adapted_modules(model) -> list:
 
 def has_adapters(model) -> bool:
     return getattr(_unwrap(model), "lora_config", None) is not None
+
+
+def adapter_state(model, state: dict) -> dict:
+    """A checkpoint's part of a state dict: with adapters only they (the base is named, not saved), else all."""
+    return {k: v for k, v in state.items() if is_adapter_key(k)} if has_adapters(model) else state
+
+
+def must_fill(model, key: str) -> bool:
+    """Whether loading a checkpoint must fill state-dict entry `key` (not the frozen base of a LoRA model)."""
+    return not key.endswith("_extra_state") and (is_adapter_key(key) or not has_adapters(model))
 
 
 @contextlib.contextmanager

@@ -71,3 +71,28 @@ def save_peft_adapter(folder: str, adapters: dict, cfg: LoraConfig, base_model: 
         json.dump(adapter_config(cfg, base_model), f, indent=2, sort_keys=True)
     save_file({k: v.contiguous().clone() for k, v in adapters.items()}, os.path.join(folder, "adapter_model.safetensors"),
               metadata={"format": "pt"})
+
+
+def lora_meta(model) -> dict:
+    """{"lora": settings and base folder} for a checkpoint's meta.json of a LoRA actor, else {}."""
+    gpt = _unwrap(model)
+    cfg = getattr(gpt, "lora_config", None)
+    if cfg is None:
+        return {}
+    return {"lora": {"base": getattr(gpt, "lora_base", ""), "rank": cfg.rank, "alpha": cfg.alpha,
+                     "dropout": cfg.dropout, "target_modules": list(cfg.target_modules)}}
+
+
+def export_lora_model(model, spec, groups, folder: str, hf_config: dict, base: str) -> None:
+    """`folder`: the merged model (config.json + model.safetensors) and, in `folder`/adapter, the PEFT adapter
+    for `base`. Without adapters only the model. Collective over the replica; rank 0 writes."""
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, save_hf
+    from hybridrl.models.lora import has_adapters, merged_weights
+
+    with merged_weights(model):
+        save_hf(folder, mcore_to_hf_stream(model, spec, groups), hf_config)
+    if not has_adapters(model):
+        return
+    adapters = full_adapters(model, spec, groups)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_peft_adapter(os.path.join(folder, ADAPTER_FOLDER), adapters, _unwrap(model).lora_config, base)

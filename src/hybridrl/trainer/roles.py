@@ -197,7 +197,7 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     actor_model, spec = model_from_hf(folder, groups, dtype, **recompute, **actor_moe_overrides(cfg),
                                       **({"layer_spec": "local"} if lora.enabled else {}))
     if lora.enabled:  # before DDP: the frozen base gets no gradient buffer, the optimizer only the adapters
-        apply_lora(actor_model, lora, spec, groups.pp, groups.pp_rank, seed=cfg.model.seed)
+        apply_lora(actor_model, lora, spec, groups.pp, groups.pp_rank, seed=cfg.model.seed, base=folder)
     actor_module = wrap_trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
                                 cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)
