@@ -30,7 +30,15 @@ def _batch():
     return {**batch, "advantages": torch.randn(B, R, generator=g) * batch["response_mask"]}
 
 
-def _lora_actor(folder, tp, pp, lora, **overrides):
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+
+    return random_hf_model_folder(str(tmp_path_factory.mktemp("moe") / "qwen3_moe"), "qwen3_moe", seed=1,
+                                  num_hidden_layers=2, vocab_size=VOCAB)
+
+
+def _lora_actor(folder, tp, pp, ep, lora, **overrides):
     from hybridrl.config import ActorConfig, Config, OptimConfig
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.models.lora import apply_lora
@@ -40,7 +48,7 @@ def _lora_actor(folder, tp, pp, lora, **overrides):
     from hybridrl.workers.engine import ModelEngine
     from hybridrl.workers.optim import build_optimizer
 
-    groups = init_model_parallel(tp, pp)
+    groups = init_model_parallel(tp, pp, ep=ep)
     acfg = ActorConfig(optim=OptimConfig(lr=LR, eps=EPS), ppo_epochs=2, ppo_mini_batch_size=MINI,
                        ppo_micro_batch_size_per_gpu=2, lora=lora, **overrides)
     model, spec = model_from_hf(folder, groups, sequence_parallel=tp > 1)
@@ -51,14 +59,14 @@ def _lora_actor(folder, tp, pp, lora, **overrides):
     return actor, spec, groups
 
 
-def _train(folder, batch, tp, pp):
+def _train(folder, batch, tp, pp, ep=1):
     from hybridrl.config.batching import MicroBatching
     from hybridrl.config.lora import LoraConfig
     from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, weight_state
     from hybridrl.models.lora import adapters_disabled, is_adapter_key, merged_weights
     from hybridrl.models.lora_export import full_adapters
 
-    actor, spec, groups = _lora_actor(folder, tp, pp, LoraConfig(rank=RANK, alpha=ALPHA), use_kl_loss=True,
+    actor, spec, groups = _lora_actor(folder, tp, pp, ep, LoraConfig(rank=RANK, alpha=ALPHA), use_kl_loss=True,
                                       kl_loss_coef=0.5)
     module = actor.engine.module
     base = {k: v.detach().clone() for k, v in weight_state(module).items()}
@@ -116,10 +124,14 @@ def _engine_handoff(module, spec, groups, merged, unmerged):
 
 
 @pytest.fixture(scope="module")
-def runs(hf_folder):
+def runs(hf_folder, moe_folder):
+    """Dense qwen2 at world 1, TP 2, PP 2; Qwen3-MoE (attention adapted, experts frozen) at world 1 and EP 2."""
     batch = _batch()
-    return {layout: run_distributed(_train, tp * pp, hf_folder, batch, tp, pp)[0]
-            for layout, (tp, pp) in {"world1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}.items()}
+    out = {layout: run_distributed(_train, tp * pp, hf_folder, batch, tp, pp)[0]
+           for layout, (tp, pp) in {"world1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}.items()}
+    out["moe_world1"] = run_distributed(_train, 1, moe_folder, batch, 1, 1, 1)[0]
+    out["ep2"] = run_distributed(_train, 2, moe_folder, batch, 1, 1, 2)[0]
+    return out
 
 
 def test_step0_is_the_base_and_only_adapters_train(runs):
@@ -134,7 +146,7 @@ def test_step0_is_the_base_and_only_adapters_train(runs):
                        one["merged"]["model.layers.0.self_attn.q_proj.weight"]) is False
 
 
-@pytest.mark.parametrize("layout", ["world1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["world1", "tp2", "pp2", "ep2"])
 def test_reference_is_the_base_and_kl_equals_a_separate_reference(runs, layout):
     from hybridrl import algos
 
@@ -147,12 +159,21 @@ def test_reference_is_the_base_and_kl_equals_a_separate_reference(runs, layout):
     assert run["metrics"]["actor/kl_loss"] > 0  # the second optimizer step saw the KL to the base
 
 
-@pytest.mark.parametrize("layout", ["world1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["world1", "tp2", "pp2", "ep2"])
 def test_engine_receives_the_merged_weights_through_the_verified_handoff(runs, layout):
     engine = runs[layout]["engine"]
     assert engine["verified"] and engine["exact"] and engine["merged"], engine
-    assert engine["direct"] == (layout != "pp2")  # shards straight in, or HF buckets from the pipeline stages
-    assert layout != "pp2" or engine["buckets"] > 1
+    assert engine["direct"] == (layout in ("world1", "tp2"))  # shards straight in, else HF buckets
+    assert engine["direct"] or engine["buckets"] > 1
+
+
+def test_moe_adapts_the_attention_and_freezes_the_experts(runs):
+    for layout in ("moe_world1", "ep2"):
+        run = runs[layout]
+        assert run["all_adapters"] and run["n_trainable"] == 2 * 4 * 2  # q, k, v, o in 2 layers; no expert
+        assert set(run["with_grad"]) == set(run["trainable"]) and run["base_kept"]
+        assert torch.equal(run["lp0"], run["lp_base"])
+    assert all(".self_attn." in k for k in runs["ep2"]["adapters"])
 
 
 def test_merged_weights_are_base_plus_scaled_BA(runs, hf_folder):
@@ -171,9 +192,9 @@ def test_merged_weights_are_base_plus_scaled_BA(runs, hf_folder):
         assert torch.equal(one["unmerged"][f"{module}.weight"], hf[f"{module}.weight"])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2"])
 def test_parallel_layouts_equal_world_1(runs, layout):
-    one, other = runs["world1"], runs[layout]
+    one, other = runs["moe_world1" if layout == "ep2" else "world1"], runs[layout]
     assert torch.equal(other["lp0"], other["lp_base"]) and other["base_kept"]
     assert other["all_adapters"] and other["opt_states"] == other["n_trainable"]
     assert set(other["adapters"]) == set(one["adapters"])
