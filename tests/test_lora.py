@@ -86,7 +86,8 @@ def _train(folder, batch, tp, pp, ep=1):
                 ref=_references(folder, actor, batch, tp), engine=_engine_handoff(module, spec, groups, merged, unmerged),
                 merged=merged, unmerged=unmerged, base_kept=base_kept, trainable=trainable, with_grad=with_grad,
                 all_adapters=all(is_adapter_key(n.removeprefix("module.")) for n in trainable),
-                opt_states=len(actor.optimizer.optimizer.state), n_trainable=len(trainable))
+                opt_states=len(actor.optimizer.optimizer.state), n_trainable=len(trainable),
+                adapter_numel=sum(p.numel() for p in module.parameters() if p.requires_grad))
 
 
 def _references(folder, actor, batch, tp):
@@ -252,3 +253,22 @@ def test_lora_target_names():
     assert LoraConfig(rank=2, target_modules=["linear_qkv", "down_proj"]).hf_targets() == ("q_proj", "k_proj",
                                                                                            "v_proj", "down_proj")
     assert len(LoraConfig(rank=2).hf_targets()) == 7 and LoraConfig(rank=2, alpha=8).scaling == 4.0
+
+
+@pytest.mark.parametrize("layout, tp", [("world1", 1), ("tp2", 2)])
+def test_planner_counts_grads_and_adam_states_of_the_adapters_only(runs, layout, tp):
+    from hybridrl.config.io import load_config
+    from hybridrl.planner.plan import estimate
+
+    model = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_layers=2", "model.num_attention_heads=4",
+             "model.num_key_value_heads=2", "model.vocab_size=97", "actor.use_kl_loss=true",
+             f"parallel.tensor_model_parallel_size={tp}", "rollout.tensor_model_parallel_size=1"]
+    lora = ["actor.lora.rank=4", "actor.lora.alpha=8"]
+    full, adapted = (estimate(load_config(TINY, model + extra), tp, VOCAB) for extra in ([], lora))
+    states = lambda p: dict(p.phase("actor update").items)  # noqa: E731
+    numel = runs[layout]["adapter_numel"]  # what the real LoRA model trains on one rank
+    assert states(adapted)["actor/grads"] == 4 * numel and states(adapted)["actor/optimizer"] == 8 * numel
+    assert states(adapted)["actor/weights"] == states(full)["actor/weights"] + 4 * numel
+    assert states(full)["actor/grads"] > 5 * states(adapted)["actor/grads"]  # rank 4 on a 64-wide model
+    assert any(p.name == "ref log-prob" for p in full.phases)
+    assert not any(p.name == "ref log-prob" for p in adapted.phases)  # the reference is the actor, adapters off
