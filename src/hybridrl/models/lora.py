@@ -62,7 +62,7 @@ class Adapter(torch.nn.Module):
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
 
 
-class _LoraLinear:
+class LoraLinear:
     """What the column and row subclasses share: the parts, their assembly, the merged weight."""
     lora_parts: list      # [(hf part, local output size)] in megatron's order
     lora_groups: int      # query groups on this TP rank (linear_qkv), else 0
@@ -117,7 +117,7 @@ def _column_class():
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                         gather_from_sequence_parallel_region)
 
-    class LoraColumnParallelLinear(_LoraLinear, ColumnParallelLinear):
+    class LoraColumnParallelLinear(LoraLinear, ColumnParallelLinear):
         lora_column = True
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -147,7 +147,7 @@ def _row_class():
     from megatron.core.tensor_parallel.mappings import (reduce_from_tensor_model_parallel_region,
                                                         reduce_scatter_to_sequence_parallel_region)
 
-    class LoraRowParallelLinear(_LoraLinear, RowParallelLinear):
+    class LoraRowParallelLinear(LoraLinear, RowParallelLinear):
         lora_column = False
 
         def forward(self, input_):
@@ -224,6 +224,9 @@ def apply_lora(model, cfg: LoraConfig, spec, pp: int, pp_rank: int, seed: int = 
     """Freeze every parameter of `model` and add trainable adapters to the targeted linears (before DDP
     wraps it); `base` names the HF folder of the frozen weights (checkpoints record it, not the weights).
     Returns how many HF modules got an adapter on this rank."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      set_tensor_model_parallel_attributes)
+
     gpt = _unwrap(model)
     for p in gpt.parameters():
         p.requires_grad_(False)
@@ -232,9 +235,6 @@ def apply_lora(model, cfg: LoraConfig, spec, pp: int, pp_rank: int, seed: int = 
     offset = hc.layer_range(spec.num_layers, pp, pp_rank).start
     count = 0
     for name, module in targets(gpt, cfg):
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
         if type(module) not in (ColumnParallelLinear, RowParallelLinear):
             raise TypeError(f"LoRA adapts megatron's local-spec linears; {name} is {type(module).__name__}")
         is_column = isinstance(module, ColumnParallelLinear)
@@ -265,7 +265,7 @@ def apply_lora(model, cfg: LoraConfig, spec, pp: int, pp_rank: int, seed: int = 
 
 
 def adapted_modules(model) -> list:
-    return [m for m in _unwrap(model).modules() if isinstance(m, _LoraLinear)]
+    return [m for m in _unwrap(model).modules() if isinstance(m, LoraLinear)]
 
 
 def has_adapters(model) -> bool:
@@ -322,7 +322,7 @@ def state_view(model, state: dict):
     gpt = _unwrap(model)
     if not getattr(gpt, "lora_merged_view", False):
         return state
-    merged = {f"{n}.weight": m for n, m in gpt.named_modules() if isinstance(m, _LoraLinear)}
+    merged = {f"{n}.weight": m for n, m in gpt.named_modules() if isinstance(m, LoraLinear)}
     return MergedState(state, merged)
 
 

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from hybridrl.config.lora import LoraConfig
 from hybridrl.models import hf_convert as hc
-from hybridrl.models.lora import _LoraLinear, _unwrap, hf_module_name
+from hybridrl.models.hf_checkpoint import unwrap_model
+from hybridrl.models.lora import LoraLinear, hf_module_name
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FOLDER = "adapter"
@@ -31,8 +32,8 @@ def local_adapters(model, spec, groups) -> dict:
     """{PEFT key: full tensor} of this pipeline stage's adapters (TP shards gathered)."""
     offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
     out = {}
-    for name, module in _unwrap(model).named_modules():
-        if not isinstance(module, _LoraLinear):
+    for name, module in unwrap_model(model).named_modules():
+        if not isinstance(module, LoraLinear):
             continue
         hf_prefix, _ = hf_module_name(hc.local_to_global(name, offset))
         for part, adapter in module.lora_adapters.items():
@@ -75,7 +76,7 @@ def save_peft_adapter(folder: str, adapters: dict, cfg: LoraConfig, base_model: 
 
 def lora_meta(model) -> dict:
     """{"lora": settings and base folder} for a checkpoint's meta.json of a LoRA actor, else {}."""
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     cfg = getattr(gpt, "lora_config", None)
     if cfg is None:
         return {}
@@ -95,4 +96,4 @@ def export_lora_model(model, spec, groups, folder: str, hf_config: dict, base: s
         return
     adapters = full_adapters(model, spec, groups)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        save_peft_adapter(os.path.join(folder, ADAPTER_FOLDER), adapters, _unwrap(model).lora_config, base)
+        save_peft_adapter(os.path.join(folder, ADAPTER_FOLDER), adapters, unwrap_model(model).lora_config, base)
