@@ -16,10 +16,10 @@ $(STAMP): requirements.txt setup.py
 
 venv: $(STAMP)
 
-# the optional extras the tests run for real (W&B offline)
+# the optional extras the tests run for real (W&B offline, peft for the LoRA export)
 TEST_STAMP := $(VENV)/.test-extras-stamp
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q --no-build-isolation -e ".[wandb]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[wandb,test]"
 	@touch $(TEST_STAMP)
 
 # a 50-step SFT warm-up (the answer format), then GRPO on the synthetic addition task

@@ -9,5 +9,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt")
                       if line.strip() and not line.startswith("#") and not line.startswith("pytest")],
-    extras_require={"gpu": ["vllm", "transformer-engine[pytorch]"], "wandb": ["wandb==0.30.0"]},
+    extras_require={"gpu": ["vllm", "transformer-engine[pytorch]"], "wandb": ["wandb==0.30.0"],
+                    # tests/test_lora_export.py loads the exported adapter in peft (peft needs accelerate)
+                    "test": ["peft==0.21.0", "accelerate"]},
 )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hybridrl.checkpoint.folders import CheckpointError
 from hybridrl.checkpoint.resume import naming_damage
 from hybridrl.models.critic import ValueHead, critic_sharded_state_dict
+from hybridrl.models import lora
 from hybridrl.models.hf_checkpoint import unwrap_model
 
 
@@ -24,7 +25,7 @@ def model_sharded_state(module, metadata: Optional[dict] = None) -> dict:
     gpt = unwrap_model(module)
     if isinstance(getattr(gpt, "output_layer", None), ValueHead):
         return critic_sharded_state_dict(gpt, metadata)
-    return gpt.sharded_state_dict(metadata=metadata)
+    return lora.adapter_state(gpt, gpt.sharded_state_dict(metadata=metadata))  # LoRA: the adapters only
 
 
 def role_state(worker, is_loading: bool = False) -> dict:
@@ -103,7 +104,7 @@ def load_role(worker, folder: str, role: str) -> None:
 def fill_model(module, loaded: dict, folder: str, role: str) -> None:
     """Copy a loaded model state dict in; every weight must be there (`_extra_state` may be absent)."""
     result = unwrap_model(module).load_state_dict(loaded, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    missing = [k for k in result.missing_keys if lora.must_fill(module, k)]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"the {role} checkpoint {folder} did not fill {missing[:3]} "
                               f"(unexpected: {result.unexpected_keys[:3]})")

@@ -21,7 +21,9 @@ def _saved_dtype(folder: str) -> str:
 
     from hybridrl.models.gpt import DTYPES
 
-    dtype = dist_checkpointing.load_tensors_metadata(folder)["embedding.word_embeddings.weight"].dtype
+    saved = dist_checkpointing.load_tensors_metadata(folder)
+    name = "embedding.word_embeddings.weight"  # a LoRA actor's checkpoint holds its adapters only
+    dtype = saved[name if name in saved else next(k for k in saved if not k.startswith("optimizer."))].dtype
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
@@ -29,14 +31,15 @@ def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> No
     """Write the actor of `step_folder` (a global_step_* folder) to `out` as an HF checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, model_from_hf, save_hf
+    from hybridrl.models.lora_export import export_lora_model
     from hybridrl.parallel.distributed import init_model_parallel
 
     check_step_folder(step_folder, "--input")
     problem = damage(step_folder, digests=True, parts=("actor",))
     if problem:
         raise CheckpointError(f"--input {step_folder} is damaged: {problem}; pass another global_step_* folder")
-    hf_config = read_meta(step_folder, ("hf_config",))["hf_config"]
+    meta = read_meta(step_folder, ("hf_config",))
+    hf_config, lora = meta["hf_config"], meta.get("lora")
     world, layers = dist.get_world_size(), hf_config.get("num_hidden_layers", 0)
     if tp < 1 or pp < 1 or world % (tp * pp) or layers % pp:
         raise CheckpointError(f"--tp {tp} x --pp {pp} does not fit {world} process(es) and {layers} layers: tp x pp "
@@ -44,9 +47,28 @@ def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> No
     actor = os.path.join(step_folder, "actor")
     groups = init_model_parallel(tp, pp)
     with naming_damage(step_folder, "actor", "pass another global_step_* folder"):
-        model, spec = model_from_hf(hf_config, groups, _saved_dtype(actor))
+        model, spec = _actor_model(hf_config, lora, groups, _saved_dtype(actor))
         state = model_sharded_state(model)
         check_shapes(state, actor, "actor")
         loaded = dist_checkpointing.load({"model": state}, actor)["model"]  # weights only
     fill_model(model, loaded, actor, "actor")
-    save_hf(out, mcore_to_hf_stream(model, spec, groups), hf_config)
+    base = lora["base"] if lora else ""
+    export_lora_model(model, spec, groups, out, hf_config, base)  # LoRA: merged, and the PEFT adapter in out/adapter
+
+
+def _actor_model(hf_config: dict, lora: dict | None, groups, dtype: str):
+    """The actor to fill from the checkpoint: random init, or for LoRA the named base with fresh adapters."""
+    from hybridrl.config.lora import LoraConfig
+    from hybridrl.models.hf_checkpoint import model_from_hf
+    from hybridrl.models.lora import apply_lora
+
+    if not lora:
+        return model_from_hf(hf_config, groups, dtype)
+    base = lora["base"]
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise CheckpointError(f"the LoRA checkpoint holds adapters for the base model {base!r}, which has no "
+                              "config.json here; make that HF folder available at that path")
+    model, spec = model_from_hf(base, groups, dtype, layer_spec="local")
+    settings = {k: v for k, v in lora.items() if k != "base"}
+    apply_lora(model, LoraConfig(**settings), spec, groups.pp, groups.pp_rank, base=base)
+    return model, spec

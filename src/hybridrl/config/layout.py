@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hybridrl.config import Config, ConfigError, ModelConfig
 from hybridrl.config.batching import resolve_batching
+from hybridrl.config.lora import check_lora_run
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int = 0, allow_missi
     ep = expert_parallel_size(cfg, dims, tp, dp)
     check_router_replay(cfg, dims)
     check_long_sequences(cfg)
+    check_lora_run(cfg, dims.num_experts > 0)
     check_engine_dtype(cfg)
     check_streaming(cfg, dp, ep)
     _require(ep == 1 or not cfg.placement.critic_world_size,

@@ -75,7 +75,8 @@ class RolloutConfig:
     """Weight-sync check of what the engine stored: fingerprint (on device), exact (host hash), off."""
     share_weights: bool = True
     """Native engine colocated at rollout TP = TP, PP 1, EP 1: it reads the actor's own weight tensors (no
-    copy, no second copy in memory; the sync checks identity, not bytes). false: copy them in (verified)."""
+    copy, no second copy in memory; the sync checks identity, not bytes). false: copy them in (verified).
+    Off with actor.lora (the engine needs the merged weights)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
     dtype: str = "bfloat16"

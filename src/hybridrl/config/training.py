@@ -6,6 +6,7 @@ from typing import List, Optional
 
 from hybridrl.config.algorithm import KL_KINDS
 from hybridrl.config.checks import check, one_of
+from hybridrl.config.lora import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class ActorConfig:
     """MoE load-balancing loss weight (megatron's moe_aux_loss_coeff); 0 for RL, as verl and slime default."""
     router_replay: str = "off"
     """MoE routing replay: off, or rollout (log-prob and update forwards use the experts the rollout chose)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (rank 0: off); the reference is then the base itself."""
 
     def __post_init__(self):
         check(self.moe_aux_loss_coeff >= 0, "actor.moe_aux_loss_coeff must be >= 0")
@@ -144,8 +147,12 @@ class CriticConfig:
     """TP of a critic on ranks of its own (placement.critic_world_size > 0); else it shares the actor's."""
     pipeline_model_parallel_size: int = 1
     """PP of a critic on ranks of its own (placement.critic_world_size > 0); else it shares the actor's."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Not supported for the critic (rank must stay 0): its value head is new and trains in full."""
 
     def __post_init__(self):
+        check(not self.lora.enabled, f"critic.lora.rank={self.lora.rank}: LoRA is not supported for the critic (its "
+              "new value head and trunk train in full); set critic.lora.rank=0, or use a critic-free estimator (grpo)")
         check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
               "critic.tensor_model_parallel_size and critic.pipeline_model_parallel_size must be >= 1")
         one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)

@@ -7,6 +7,7 @@ owner, all-gathered over TP, un-fused to HF names. The pure name/layout rules li
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Iterator
@@ -14,7 +15,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from hybridrl.models import hf_convert as hc
+from hybridrl.models import hf_convert as hc, lora
 from hybridrl.models.gpt import GPTSpec, build_gpt, for_this_machine
 from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spec_from_hf_config
 
@@ -95,8 +96,11 @@ def unwrap_model(model):
 
 
 def weight_state(model) -> dict[str, torch.Tensor]:
-    """The model's state dict without megatron's weightless `_extra_state` entries."""
-    return {k: v for k, v in unwrap_model(model).state_dict().items() if not k.endswith("_extra_state")}
+    """The model's state dict without megatron's weightless `_extra_state` entries and LoRA adapters; inside
+    `lora.merged_weights(model)` the adapted weights read as merged, one tensor at a time."""
+    state = {k: v for k, v in unwrap_model(model).state_dict().items()
+             if not k.endswith("_extra_state") and not lora.is_adapter_key(k)}
+    return lora.state_view(model, state)
 
 
 def copy_into(model, state: dict[str, torch.Tensor], what: str) -> None:
@@ -129,7 +133,7 @@ def global_weight_state(model, spec: GPTSpec, groups) -> dict[str, torch.Tensor]
     """This rank's weights under global names (global layer and expert indices)."""
     offset = hc.layer_range(spec.num_layers, groups.pp, groups.pp_rank).start
     experts = hc.expert_range(spec, groups.ep, groups.ep_rank).start if spec.is_moe else 0
-    return {hc.local_to_global(k, offset, experts): v for k, v in weight_state(model).items()}
+    return lora.renamed(weight_state(model), lambda k: hc.local_to_global(k, offset, experts))
 
 
 def _from_ep_owner(global_name: str, local: dict, spec: GPTSpec, groups, sample) -> torch.Tensor:
@@ -203,11 +207,14 @@ def save_hf(folder: str, stream, hf_config_dict: dict, writer: bool | None = Non
     save_file(tensors, os.path.join(folder, SINGLE_FILE), metadata={"format": "pt"})
 
 
-def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", **config_overrides):
+def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", layer_spec: str | None = None,
+                  **config_overrides):
     """(model, spec): this rank's GPTModel chunk, loaded from an HF folder (random init for a config).
-    `config_overrides` go to megatron's TransformerConfig (e.g. activation recomputation)."""
+    `config_overrides` go to megatron's TransformerConfig (e.g. activation recomputation); `layer_spec`
+    forces "local" or "te" (LoRA adapts the local spec's linears), else the machine's default."""
     cfg = as_config_dict(hf_folder_or_config)
     spec = for_this_machine(spec_from_hf_config(cfg))  # the TE layer spec on CUDA with TE installed
+    spec = dataclasses.replace(spec, layer_spec=layer_spec) if layer_spec else spec
     check_parallel_layout(spec, groups.tp, groups.pp, groups.ep)
     model = build_gpt(spec, groups.tp, groups.pp, groups.pp_rank, dtype, groups.ep, **config_overrides)
     is_folder = isinstance(hf_folder_or_config, (str, os.PathLike)) and os.path.isdir(hf_folder_or_config)

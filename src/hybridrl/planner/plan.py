@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from hybridrl.planner import memory as mem
+from hybridrl.planner.lora_memory import lora_state_bytes
 from hybridrl.planner.report import advice, render_plan
 from hybridrl.config import Config, ConfigError, OffloadConfig
 from hybridrl.config.layout import Layout, derive_layout
@@ -171,10 +172,13 @@ class _Ctx:
 
 
 def _states(ctx: _Ctx, stage: int, critic: bool) -> dict:
-    lay = ctx.layout
+    lay, lora, distributed = ctx.layout, ctx.cfg.actor.lora, ctx.cfg.parallel.use_distributed_optimizer
     # megatron's distributed optimizer shards over the data-parallel ranks with the context-parallel ones
-    return mem.stage_state_bytes(ctx.arch, lay.tp, lay.pp, stage, lay.dp * lay.cp, lay.ep, ctx.dtype,
-                                 ctx.cfg.parallel.use_distributed_optimizer, critic)
+    states = mem.stage_state_bytes(ctx.arch, lay.tp, lay.pp, stage, lay.dp * lay.cp, lay.ep, ctx.dtype, distributed,
+                                   critic)
+    if critic or not lora.enabled:
+        return states
+    return lora_state_bytes(ctx.arch, lora, lay.tp, lay.pp, lay.dp * lay.cp, ctx.dtype, distributed, states["weights"])
 
 
 STATE_KINDS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
@@ -195,8 +199,9 @@ def _roles(ctx: _Ctx) -> dict:
 
 def shares_weights(cfg: Config, layout: Layout) -> bool:
     """The native engine reads the actor's own weights (`reshard.shares_weights`): colocated, rollout TP =
-    TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype)."""
+    TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype), no LoRA (merged copies)."""
     return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
+            and not cfg.actor.lora.enabled
             and layout.rollout_tp == layout.tp and layout.pp == 1 and layout.ep == 1)
 
 
@@ -408,7 +413,9 @@ def _context(cfg: Config, world_size: int, vocab_size: int) -> _Ctx:
     arch = mem.arch_from_model_config(cfg.model, vocab_size)
     return _Ctx(cfg, arch, layout, cfg.data.max_prompt_length + cfg.data.max_response_length,
                 cfg.model.params_dtype, cfg.parallel.gpu_memory_gb * GIB,
-                cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward, _reward_model_arch(cfg, arch),
+                # a LoRA run's reference is the actor itself (adapters off): no weights of its own
+                (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not cfg.actor.lora.enabled,
+                _reward_model_arch(cfg, arch),
                 mem.SeqSplit(layout.tp if cfg.parallel.sequence_parallel_at(layout.tp) else 1, layout.cp,
                              cfg.model.use_remove_padding))
 

@@ -69,8 +69,10 @@ IN_FLIGHT = "in_flight.pt"
 def _save(saver: CheckpointWriter, trainer, data_state: dict, step: int) -> None:
     from hybridrl.models.hf_config import load_hf_config
 
+    from hybridrl.models.lora_export import lora_meta
+
     meta = {"data": data_state, "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
-            "hf_config": load_hf_config(trainer.roles.hf_folder)}
+            "hf_config": load_hf_config(trainer.roles.hf_folder), **lora_meta(trainer.actor.engine.module)}
     in_flight = trainer.remote.in_flight() if trainer.remote is not None else None
     saver.save(step, _checkpointed_roles(trainer.roles), meta, {IN_FLIGHT: in_flight},
                others={name: r.save for name, r in _remote_roles(trainer.roles).items()})
@@ -426,10 +428,10 @@ def _dry_run(trainer, loader, layout, cfg: Config) -> int:
 
 
 def _export_hf(trainer, folder: str) -> None:
-    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, save_hf
     from hybridrl.models.hf_config import load_hf_config
+    from hybridrl.models.lora_export import export_lora_model
 
-    trainer.hybrid.enter("checkpoint")
-    stream = mcore_to_hf_stream(trainer.actor.engine.module, trainer.roles.spec, trainer.groups)
-    save_hf(folder, stream, load_hf_config(trainer.roles.hf_folder))
+    trainer.hybrid.enter("checkpoint")  # LoRA: the merged model, and the PEFT adapter in folder/adapter
+    export_lora_model(trainer.actor.engine.module, trainer.roles.spec, trainer.groups, folder,
+                      load_hf_config(trainer.roles.hf_folder), trainer.roles.hf_folder)
     print0(f"exported the actor to {folder}")

@@ -398,6 +398,7 @@ class PPOTrainer:
         next update): the sync holds two weight copies and one bucket, or one copy where the engine reads
         the actor's own tensors (shared: generation then keeps them on the device). Split placement: to
         the rollout ranks, at once (`now`, or staleness 0) or once the batch in flight has arrived."""
+        from hybridrl.models.lora import merged_weights
         from hybridrl.placement.reshard import update_engine_weights
 
         if self.remote is not None:
@@ -405,8 +406,10 @@ class PPOTrainer:
                                        onload=lambda: self.hybrid.enter("update_weights"))
         self.hybrid.enter("update_weights")
         r = self.cfg.rollout
-        report = update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
-                                       r.update_weights_bucket_mb, verify=r.verify_weights, share=r.share_weights)
+        with merged_weights(self.actor.engine.module):  # LoRA: the engine gets W + s B A, one tensor at a time
+            report = update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
+                                           r.update_weights_bucket_mb, verify=r.verify_weights,
+                                           share=r.share_weights and not self.cfg.actor.lora.enabled)
         self.hybrid.engine_reads = {"actor"} if report.shared else set()
         return report
 

@@ -186,26 +186,34 @@ def build_roles(cfg: Config, groups: ParallelGroups, tokenizer, total_steps: int
     """Every role of a run on `groups`; without the rollout engine (`with_engine` False) when other
     ranks generate, and without the critic (`with_critic` False) when it has ranks of its own."""
     from hybridrl.models.hf_checkpoint import model_from_hf
+    from hybridrl.models.lora import apply_lora
+    from hybridrl.workers.lora_reference import BaseReference
 
     folder = init_model_folder(cfg, tokenizer.vocab_size)
     dtype = cfg.model.params_dtype
     temperature = cfg.rollout.temperature
     recompute = training_overrides(cfg, groups)
-    actor_model, spec = model_from_hf(folder, groups, dtype, **recompute, **actor_moe_overrides(cfg))
+    lora = cfg.actor.lora
+    actor_model, spec = model_from_hf(folder, groups, dtype, **recompute, **actor_moe_overrides(cfg),
+                                      **({"layer_spec": "local"} if lora.enabled else {}))
+    if lora.enabled:  # before DDP: the frozen base gets no gradient buffer, the optimizer only the adapters
+        apply_lora(actor_model, lora, spec, groups.pp, groups.pp_rank, seed=cfg.model.seed, base=folder)
     actor_module = wrap_trainable(actor_model, cfg)
     actor_opt = build_optimizer(actor_module, cfg.actor.optim, groups, total_steps,
                                 cfg.parallel.use_distributed_optimizer, actor_model.config.params_dtype)
     actor = ActorWorker(ModelEngine(actor_module, groups), actor_opt, cfg.actor, spec.vocab_size, temperature,
                         cfg.data.max_response_length)
     ref = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if lora.enabled and (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        ref = BaseReference(actor.engine, spec.vocab_size, temperature)  # the base: adapters off
+    elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model, _ = model_from_hf(folder, groups, dtype, **sequence_overrides(cfg, groups))
         ref = LogProbWorker(ModelEngine(_frozen(ref_model), groups), spec.vocab_size, temperature)
         ref.offloader = Offloader(ref_model, None, OffloadConfig(params=cfg.ref.offload_params))
         ref.offloader.offload()  # ref.offload_params: on the host except in its own phase
     critic = build_critic_worker(cfg, groups, folder, total_steps) if with_critic and cfg.algorithm.uses_critic else None
     owners = [(w.engine.module, w.optimizer.optimizer) for w in (actor, critic) if w is not None]
-    owners += [(ref.engine.module, None)] if ref is not None else []
+    owners += [(ref.engine.module, None)] if ref is not None and ref.engine is not actor.engine else []
     rollout = None
     if with_engine:
         with training_state_offloaded(owners) if cfg.rollout.name == "vllm" else contextlib.nullcontext():
