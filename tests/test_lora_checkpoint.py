@@ -41,6 +41,12 @@ def test_resume_is_bit_exact(runs):
     assert full["actor/kl_loss"][4] > 0  # the policy left the base, measured against the base
 
 
+def test_resume_with_other_lora_settings_is_refused(runs):
+    other = [a.replace("actor.lora.rank=8", "actor.lora.rank=4") for a in LORA]
+    with pytest.raises(AssertionError, match="was saved with actor LoRA .*'rank': 8.* but this run has .*'rank': 4"):
+        run_distributed(_train, 1, TINY, _overrides(runs / "part", other + ["trainer.total_training_steps=6"]))
+
+
 def test_checkpoint_holds_adapters_and_their_optimizer_state_not_the_base(runs):
     from megatron.core import dist_checkpointing
 

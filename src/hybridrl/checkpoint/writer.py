@@ -28,6 +28,7 @@ from hybridrl.checkpoint.integrity import FILES, list_files, record
 from hybridrl.checkpoint.resume import naming_damage
 from hybridrl.checkpoint.rng import rng_state, set_rng_state
 from hybridrl.checkpoint.sharded import load_role, save_role
+from hybridrl.models.lora_export import check_resume
 from hybridrl.log import os_error_message
 
 RNG_DIR = "rng"
@@ -168,6 +169,11 @@ class CheckpointWriter:
 def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict:
     """Load `workers` from a published folder at this run's layout; returns its meta.json."""
     meta = read_meta(path, RUN_KEYS)
+    if "actor" in workers:  # LoRA: the adapters fit their own settings and base only
+        try:
+            check_resume(path, meta.get("lora"), workers["actor"].engine.module)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
     for role, worker in workers.items():
         folder = os.path.join(path, role)
         if role in meta["roles"] and not os.path.isdir(folder):

@@ -97,3 +97,28 @@ def export_lora_model(model, spec, groups, folder: str, hf_config: dict, base: s
     adapters = full_adapters(model, spec, groups)
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_peft_adapter(os.path.join(folder, ADAPTER_FOLDER), adapters, unwrap_model(model).lora_config, base)
+
+
+def check_resume(path: str, saved: dict | None, model) -> None:
+    """A checkpoint's adapters fit only the LoRA settings and base they were trained with: raise ValueError
+    naming both when `saved` (meta.json's "lora", None for full fine-tuning) differs from this run's."""
+    now = lora_meta(model).get("lora")
+    same = (saved is None) == (now is None) and (saved is None or (
+        {k: v for k, v in saved.items() if k != "base"} == {k: v for k, v in now.items() if k != "base"}
+        and _same_base(saved["base"], now["base"])))
+    if not same:
+        raise ValueError(f"{path} was saved with actor LoRA {saved or 'off'} but this run has {now or 'off'}; "
+                         "resume with the actor.lora.* settings and model.path it was saved with, or start a new run "
+                         "(trainer.resume_mode=disable)")
+
+
+def _same_base(saved: str, now: str) -> bool:
+    """The same folder, or (moved or copied) one with byte-identical config.json and safetensors files."""
+    import filecmp
+
+    if os.path.realpath(saved) == os.path.realpath(now):
+        return True
+    names = lambda d: sorted(f for f in os.listdir(d) if f == "config.json" or ".safetensors" in f)  # noqa: E731
+    if not os.path.isdir(saved) or names(saved) != names(now):
+        return False
+    return all(filecmp.cmp(os.path.join(saved, f), os.path.join(now, f), shallow=False) for f in names(now))
