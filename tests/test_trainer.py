@@ -51,6 +51,15 @@ def _train(config_path, overrides):
     return main_loop(load_config(config_path, overrides))
 
 
+def _train_printing_to(out_file, config_path, overrides):
+    """`_train` with its rank's stdout in `out_file`: run_distributed's forkserver children keep the fd 1 the
+    forkserver started with, which pytest's capfd does not see once an earlier test started it."""
+    import contextlib
+
+    with open(out_file, "w") as out, contextlib.redirect_stdout(out):
+        return _train(config_path, overrides)
+
+
 def _torchrun(tmp, nproc, extra, timeout=300, port_tries=2, script=None, env=None):
     """train_ppo.py (or `script`, which runs it) under torchrun, with `env` added to the environment; once
     more on another port when another process took the free one first."""
@@ -247,7 +256,7 @@ KL_CTRL = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", 
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_and_tensorboard_names(tmp_path, capfd):
+def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
     """Also the adaptive KL controller inside the trainer (its coefficient by hand from the logged KL, and
     restored by the resume) and trainer.critic_warmup (the actor sits out step 1). The resumed leg logs to a
     folder of its own: it must hold steps 5-8 only (a fresh start, deterministic, would give the same values
@@ -256,10 +265,10 @@ def test_resume_is_bit_exact_and_tensorboard_names(tmp_path, capfd):
               "trainer.test_freq=4", "trainer.critic_warmup=1"] + KL_CTRL
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "full", common + ["trainer.total_training_steps=8"]))
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + ["trainer.total_training_steps=4"]))
-    capfd.readouterr()
-    run_distributed(_train, 1, TINY, _overrides(tmp_path / "part", common + [
+    out_file = tmp_path / "resumed.out"
+    run_distributed(_train_printing_to, 1, str(out_file), TINY, _overrides(tmp_path / "part", common + [
         "trainer.total_training_steps=8", f"trainer.log_dir={tmp_path}/resumed/tb"]))
-    assert_resumed(capfd.readouterr().out, tmp_path / "resumed", 4, 8)
+    assert_resumed(out_file.read_text(), tmp_path / "resumed", 4, 8)
     full, part = read_scalars(tmp_path / "full"), read_scalars(tmp_path / "resumed")
     missing = [n for n in METRIC_NAMES if n not in full]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
