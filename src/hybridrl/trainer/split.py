@@ -164,7 +164,8 @@ class RolloutClient:
     def send_weights(self, model, version: int) -> dict:
         with self._peer("the weight sync"):
             report = self.sender.send(model, version)
-        self.sync_bytes[version] = self.sync_bytes.get(version, 0) + report["perf/weight_sync_bytes"]
+        # booked under the step whose update these weights are (split_perf), not logged again with this step
+        self.sync_bytes[version] = self.sync_bytes.get(version, 0) + report.pop("perf/weight_sync_bytes")
         return report
 
     def claim_generation(self) -> bool:
