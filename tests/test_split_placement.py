@@ -381,9 +381,21 @@ def test_a_critic_of_its_own(gae_colocated, tmp_path):
     """PPO with the critic on 2 ranks of its own at TP 2 (values pass and update beside the actor's):
     the colocated step; its checkpoint (critic part written by the critic ranks) resumes colocated."""
     _torchrun(tmp_path, 4, GAE + SPLIT + ["placement.critic_world_size=2", "critic.tensor_model_parallel_size=2",
-                                          "trainer.total_training_steps=2"])
+                                          "trainer.total_training_steps=2", f"trainer.timeline_dir={tmp_path}/tl"])
     reference = read_scalars(gae_colocated)
     _assert_same_run(reference, read_scalars(tmp_path), (1, 2))
+    from hybridrl.timeline import read_trace
+
+    # the critic's passes ran on its ranks (1 and 2) and nowhere else, each before the trainer got its answer
+    events = read_trace(str(tmp_path / "tl" / "timeline.json"))
+    assert {tid for tid, *_ in _spans(events, "critic")} == {1, 2}
+    for phase in ("values", "update_critic"):
+        asked = _spans(events, "trainer", phase)  # rank 0's wait for the answer
+        assert [t for t, *_ in asked] == [0, 0]
+        for rank in (1, 2):
+            done = _spans(events, "critic", phase, rank)
+            assert len(done) == 2 and all(d[3] <= a[3] for d, a in zip(done, asked)), (phase, rank, done, asked)
+    assert not _spans(events, "rollout", "values") and not _spans(events, "rollout", "update_critic")
     # the critic's part written by its 2 ranks (a shard file per writer, __<rank>_<n>.distcp), the actor's by 1
     assert _writers(tmp_path / "ckpt" / "global_step_2" / "critic") == {0, 1}
     assert _writers(tmp_path / "ckpt" / "global_step_2" / "actor") == {0}

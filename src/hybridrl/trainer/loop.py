@@ -339,7 +339,8 @@ def _log_late(writer, late: list, profile_steps: list) -> None:
 
 
 def _write_timeline(trainer, folder: str) -> None:
-    """timeline.json under `folder`: every trainer rank's track, and the rollout ranks' in split placement."""
+    """timeline.json under `folder`: every trainer rank's track, and in split placement the rollout ranks' and
+    those of a critic of its own."""
     from hybridrl.timeline import overlap, role_groups, write_trace
     from hybridrl.trainer.split_perf import rollout_events
 
@@ -350,10 +351,11 @@ def _write_timeline(trainer, folder: str) -> None:
     events = [e for part in parts for e in part]
     if trainer.remote is not None:
         events += rollout_events(trainer.remote.client.spans)
+    events += rollout_events(getattr(trainer.roles.critic, "spans", []), "critic")
     path = os.path.join(folder, "timeline.json")
     write_trace(path, events)
-    groups = role_groups(events)
-    shared = f", both roles computing {overlap(events, groups):.0%} of the time" if len(groups) > 1 else ""
+    groups = {role: ranks for role, ranks in role_groups(events).items() if role in ("trainer", "rollout")}
+    shared = f", trainer and rollout computing {overlap(events, groups):.0%} of the time" if len(groups) > 1 else ""
     print0(f"timeline: {path} (open it in Perfetto or chrome://tracing){shared}")
 
 

@@ -5,7 +5,9 @@ The c ranks just before the rollout ranks hold the critic at `critic.tensor_mode
 them over the `critic` bridge: `values` (a forward over the step's batch) and `update` (the clipped
 value-loss update) carry the DP-gathered batch columns the critic needs, once per step (`update` adds only
 the returns to what `values` brought; token ids int32, masks bool); each critic DP rank takes its slice,
-and the critic's first rank answers with the gathered values or the update's metrics. A request
+and the critic's first rank answers with the gathered values or the update's metrics. With
+`trainer.timeline_dir` set every critic rank records its phases (`values`, `update_critic`, `save`, `load`,
+`wait_request`) and the answers carry them to the trainers' timeline.json. A request
 is sent before the actor's own work and answered after it, so the critic's values pass overlaps the
 actor's log-prob passes and the two updates run at the same time. `save` / `load` write and read the
 critic's part of a checkpoint folder with dist_checkpointing over the critic ranks.
@@ -62,6 +64,8 @@ class RemoteCritic:
         self.sent = None
         """The batch whose columns the critic ranks hold (from its `values` request)."""
         self.answers = 0
+        self.spans = []
+        """The critic ranks' (global rank, phase, start, end) spans so far, on trainer rank 0 (timeline.json)."""
         self._send({"kind": "hello", "folder": hf_folder, "total_steps": total_steps})
 
     def _waited(self, start: float) -> None:
@@ -89,7 +93,10 @@ class RemoteCritic:
                 liveness.wait_key(self.world.store, key, [0] + self.world.ranks_of("critic"))
         dist.broadcast_object_list(box, src=0)
         self._waited(start)
-        return box[0]
+        answer, spans = box[0]
+        if self.bridge is not None:
+            self.spans += spans
+        return answer
 
     def _request(self, kind: str, batch, keys, **more) -> None:
         start = time.perf_counter()
@@ -139,10 +146,9 @@ class RemoteCritic:
 
 def serve_critic(cfg: Config, world: SplitWorld) -> int:
     """The loop of a critic rank: build the critic at its own TP/PP, then answer until `stop`."""
-    from hybridrl.checkpoint import CheckpointError
-    from hybridrl.checkpoint.sharded import load_role, save_role
     from hybridrl.config.batching import resolve_batching
     from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.timeline import Timeline
     from hybridrl.trainer.roles import build_critic_worker
 
     bridge = critic_bridge(world)
@@ -156,29 +162,53 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
     batching = resolve_batching(cfg)
     lead = world.rank == world.ranks_of("critic")[0]
     held = {}  # the columns and values of the last `values` request, for the update that follows it
+    timeline = Timeline(world.rank, "critic", bool(cfg.trainer.timeline_dir))
     while True:
-        with talking_to("trainer", [0], "the wait for a request"):
+        with talking_to("trainer", [0], "the wait for a request"), timeline.span("wait_request"):
             msg = bridge.broadcast_object(None, 0)
         kind = msg["kind"]
         if kind == "stop":
             return 0
-        answer = None
-        if kind in ("values", "update"):
-            batch = {k: local_slice(v, groups).to(groups.device, dtype) for k, (v, dtype) in msg["batch"].items()}
-            if kind == "values":
-                held = batch
-                held["values"] = worker.compute_values(batch, batching.critic_values)
-                answer = gather_dp(held["values"], groups).cpu()
-            else:
-                batch, held = ({**held, **batch} if msg["held"] else batch), {}
-                answer = worker.update_critic(batch, mini_batch_samples // groups.dp,
-                                              batching.critic_update, apply=msg["apply"])
-        elif kind == "save":
-            save_role(worker, msg["folder"], False)
-        elif kind == "load":
-            try:
-                load_role(worker, msg["folder"], "critic")
-            except CheckpointError as err:
-                answer = str(err)
+        with timeline.span({"update": "update_critic"}.get(kind, kind)):
+            answer = _serve(msg, worker, groups, held, batching, mini_batch_samples)
+        spans = _gather_spans(timeline)
         with talking_to("trainer", [0], f"the answer to {kind}"):
-            bridge.broadcast_object(answer if lead else None, world.ranks_of("critic")[0])
+            bridge.broadcast_object((answer, spans) if lead else None, world.ranks_of("critic")[0])
+
+
+def _gather_spans(timeline) -> list:
+    """Every critic rank's spans since the last answer, as (global rank, phase, start, end), on the critic's
+    first rank (collective over the critic ranks when the timeline is on; [] when it is off)."""
+    if not timeline.enabled:
+        return []
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object([(timeline.rank, *span) for span in timeline.spans], parts, dst=0)
+    timeline.clear()
+    return [x for part in parts for x in part] if parts is not None else []
+
+
+def _serve(msg, worker, groups, held: dict, batching, mini_batch_samples: int):
+    """The answer to one request (`held` keeps a `values` request's columns for the update after it)."""
+    from hybridrl.checkpoint import CheckpointError
+    from hybridrl.checkpoint.sharded import load_role, save_role
+
+    kind, answer = msg["kind"], None
+    if kind in ("values", "update"):
+        batch = {k: local_slice(v, groups).to(groups.device, dtype) for k, (v, dtype) in msg["batch"].items()}
+        if kind == "values":
+            held.clear()
+            held.update(batch, values=worker.compute_values(batch, batching.critic_values))
+            answer = gather_dp(held["values"], groups).cpu()
+        else:
+            batch = {**held, **batch} if msg["held"] else batch
+            held.clear()
+            answer = worker.update_critic(batch, mini_batch_samples // groups.dp,
+                                          batching.critic_update, apply=msg["apply"])
+    elif kind == "save":
+        save_role(worker, msg["folder"], False)
+    elif kind == "load":
+        try:
+            load_role(worker, msg["folder"], "critic")
+        except CheckpointError as err:
+            answer = str(err)
+    return answer

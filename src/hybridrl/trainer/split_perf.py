@@ -22,11 +22,12 @@ import torch.distributed as dist
 from hybridrl.timeline import Timeline, busy_share, overlap
 
 
-def rollout_events(spans: list) -> list:
-    """Chrome-trace events of the rollout ranks' (global rank, phase, start, end) spans."""
+def rollout_events(spans: list, role: str = "rollout") -> list:
+    """Chrome-trace events of another role's (global rank, phase, start, end) spans (the rollout ranks' unless
+    `role` says otherwise)."""
     tracks = {}
     for rank, name, start, end in spans:
-        tracks.setdefault(rank, Timeline(rank, "rollout")).add(name, start, end)
+        tracks.setdefault(rank, Timeline(rank, role)).add(name, start, end)
     return [e for tl in tracks.values() for e in tl.events()]
 
 
