@@ -136,11 +136,16 @@ def test_split_synchronous_equals_colocated(gae_colocated, gae_split, tmp_path):
 
 
 @pytest.mark.slow
-def test_streamed_chunks_give_the_whole_batch_step(tmp_path):
+def test_streamed_chunks_give_the_whole_batch_step(tmp_path, monkeypatch):
     """PPO at s = 1 with chunks of one prompt: reward, old/ref log-probs and values run per chunk as it
     arrives; the metrics equal the unstreamed s = 1 run (at s = 0 the synchronous test compares a streamed
     run with colocated). The actor's parameters are offloaded while the reference passes, so the deferred
-    weight send that follows them must bring them back first (it read freed storage)."""
+    weight send that follows them must bring them back first (it read freed storage). The rollout ranks start
+    the second chunk of the first batch only once the trainer has begun a chunk's passes (streamed.HOLD_ENV):
+    without the hold, whether a pass overlapped generation was up to timing (it failed once under load)."""
+    from hybridrl.trainer.streamed import HOLD_ENV
+
+    monkeypatch.setenv(HOLD_ENV, "1")
     common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.total_training_steps=3",
               "actor.offload.params=true", "async_training.staleness_threshold=1",
               "data.max_response_length=16", "rollout.max_num_seqs=1"] + SPLIT  # a chunk takes ~32 decode steps
@@ -390,11 +395,11 @@ def test_a_critic_of_its_own(gae_colocated, tmp_path):
     events = read_trace(str(tmp_path / "tl" / "timeline.json"))
     assert {tid for tid, *_ in _spans(events, "critic")} == {1, 2}
     for phase in ("values", "update_critic"):
-        asked = _spans(events, "trainer", phase)  # rank 0's wait for the answer
-        assert [t for t, *_ in asked] == [0, 0]
+        asked = _spans(events, "trainer", phase)  # rank 0 sending the request or waiting for the answer
+        assert {t for t, *_ in asked} == {0}
         for rank in (1, 2):
             done = _spans(events, "critic", phase, rank)
-            assert len(done) == 2 and all(d[3] <= a[3] for d, a in zip(done, asked)), (phase, rank, done, asked)
+            assert len(done) == 2 and all(any(a[2] <= d[3] <= a[3] for a in asked) for d in done), (phase, done, asked)
     assert not _spans(events, "rollout", "values") and not _spans(events, "rollout", "update_critic")
     # the critic's part written by its 2 ranks (a shard file per writer, __<rank>_<n>.distcp), the actor's by 1
     assert _writers(tmp_path / "ckpt" / "global_step_2" / "critic") == {0, 1}

@@ -25,6 +25,7 @@ from hybridrl.parallel.split_world import Bridge, SplitWorld, serialize
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
 from hybridrl.trainer.split_partial import PARTIAL_KEY, _PartialWeights
+from hybridrl.trainer.streamed import hold_for_pass
 from hybridrl.trainer.rollout_rows import (full_rows, group_messages, join_outputs, merge_messages, output_rows,
                                            row_versions, tensor_bytes)
 
@@ -248,6 +249,7 @@ class _Server:
         self.timeline, self.dp_of = timeline, dp_of
         """dp_of[r]: the DP rank of trainer rank r (the rows it receives are its DP group's)."""
         self.leader = world.rank == world.rollout_leader
+        self.answers = 0
 
     def _take_spans(self) -> list:
         """This rank's spans since the last call, as (global rank, phase, start, end)."""
@@ -263,6 +265,7 @@ class _Server:
         """Generate and send one request; returns the weight version the engine holds afterwards (partial
         rollout may have taken in new weights on the way)."""
         prompts, seeds, sampling = msg["prompts"], msg["seeds"], msg["sampling"]
+        self.answers += 1
         if partial is not None:
             partial.version = version
             partial.begin()
@@ -278,6 +281,7 @@ class _Server:
             a, b = _replica_share(lo, hi, self.groups)
             start_version = partial.version if partial is not None else version
             with self.timeline.span("gen"):
+                hold_for_pass(self.world.store, self.answers, lo)  # tests only
                 if self.agent is not None:
                     out = self.agent.generate(self.engine, prompts[a:b], sampling, seeds[a:b])
                 else:
