@@ -171,18 +171,21 @@ def test_streamed_chunks_give_the_whole_batch_step(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_split_training_tp2_with_two_engine_replicas(grpo_colocated, tmp_path):
     """2 trainers at TP 2 stream TP-gathered weights to 2 rollout ranks, each its own engine replica
-    sharing the prompts; GRPO with streamed chunks of two prompts (one per replica) gives the colocated run."""
+    sharing the prompts; GRPO with streamed chunks of one prompt gives the colocated run. Chunks smaller
+    than the number of replicas are generated two at a time, one per replica, and still sent one by one."""
     _torchrun(tmp_path, 4, GRPO + ["trainer.total_training_steps=2", "parallel.tensor_model_parallel_size=2",
                                    "placement.mode=split", "placement.rollout_world_size=2",
-                                   "async_training.stream_prompts=2", f"trainer.timeline_dir={tmp_path}/timeline"])
+                                   "async_training.stream_prompts=1", f"trainer.timeline_dir={tmp_path}/timeline"])
     scalars = read_scalars(tmp_path)
     _assert_same_run(read_scalars(grpo_colocated), scalars, (1, 2))
     assert scalars["rollout/staleness/max"] == scalars["rollout/staleness/mean"] == {1: 0.0, 2: 0.0}
     from hybridrl.timeline import read_trace
 
-    # chunks of 2 prompts: each replica generates one prompt of every chunk, so both work about as long (a
-    # replica handed an empty share records a gen span of next to nothing)
+    # 4 prompts a step in rounds of 2: each replica generates one prompt of every round, so both work about as
+    # long (a replica handed an empty share records a gen span of next to nothing: before, every chunk of one
+    # prompt went to the last replica); the trainers still receive 4 chunks a step (a wait for each)
     events = read_trace(str(tmp_path / "timeline" / "timeline.json"))
+    assert len(_spans(events, "trainer", "wait_rollout", 0)) == 4 * 2
     busy = {r: sum(e - s for _, _, s, e in _spans(events, "rollout", "gen", r)) for r in (2, 3)}
     assert len(_spans(events, "rollout", "gen", 2)) == len(_spans(events, "rollout", "gen", 3)) == 2 * 2
     assert min(busy.values()) > 0.3 * max(busy.values()), busy

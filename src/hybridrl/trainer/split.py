@@ -13,6 +13,7 @@ k+1 overlaps the update on k and every trained sample is exactly one version old
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -274,10 +275,13 @@ class _Server:
         if self.leader:  # the only rollout rank that talks to the trainers
             sender.start()
         step = msg["stream"] or max(len(prompts), 1)
-        for lo in range(0, max(len(prompts), 1), step):
+        # a round of generation gives every engine replica work: chunks smaller than the number of replicas
+        # are generated `replicas` prompts at a time (one replica each) and still sent chunk by chunk
+        span = max(step, self.groups.dp) if msg["stream"] else step
+        for lo in range(0, max(len(prompts), 1), span):
             if failed:
                 break
-            hi = min(lo + step, len(prompts))
+            hi = min(lo + span, len(prompts))
             a, b = _replica_share(lo, hi, self.groups)
             start_version = partial.version if partial is not None else version
             with self.timeline.span("gen"):
@@ -291,9 +295,15 @@ class _Server:
             parts = _to_leader(((a, b), out if self.groups.tp_rank == 0 else None, self._take_spans()))
             if self.leader:
                 outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
-                outbox.put({"lo": lo, "hi": hi, "n": sampling.n, "version": start_version, "last": hi >= len(prompts),
-                            "out": join_outputs(outs, self.engine.pad_id) if outs else out,
-                            "spans": [x for _, _, part in parts for x in part]})
+                out = join_outputs(outs, self.engine.pad_id) if outs else out
+                spans = [x for _, _, part in parts for x in part]
+                for c in range(lo, max(hi, lo + 1), step):  # the round's chunks; its spans ride on the first
+                    end = min(c + step, hi)
+                    rows = slice((c - lo) * sampling.n, (end - lo) * sampling.n)
+                    outbox.put({"lo": c, "hi": end, "n": sampling.n, "version": start_version,
+                                "last": end >= len(prompts), "spans": spans if c == lo else [],
+                                "out": out if span == step else  # counters once, with the first chunk
+                                dataclasses.replace(output_rows(out, rows), stats=out.stats if c == lo else {})})
         outbox.put(StopIteration)
         if self.leader:
             sender.join()
