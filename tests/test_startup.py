@@ -70,3 +70,28 @@ def test_a_package_that_is_not_installed_stays_absent(tmp_path):
             print("ImportError")
     """, tmp_path)
     assert out == ["False", "ImportError"]
+
+
+def test_megatron_imports_without_the_compiler(tmp_path):
+    """megatron-core's ~40 import-time torch.compile decorations no longer import torch._dynamo/_inductor
+    (about 2.5 s of CPU per rank) on a CPU; torch.compile is torch's own again afterwards; a deferred function
+    compiles at its first call, with its options, and gives the uncompiled function's result."""
+    out = _run("""
+        import hybridrl, torch
+        real = torch.compile
+        import megatron.core, megatron.core.models.gpt
+        from megatron.core import jit
+        print(any(m.startswith(("torch._dynamo", "torch._inductor")) for m in sys.modules), torch.compile is real,
+              jit.jit_fuser is not real)
+
+        @jit.jit_fuser
+        def gated(x, y):
+            return torch.nn.functional.silu(x) * y
+
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        print(any(m.startswith("torch._dynamo") for m in sys.modules))
+        eager = jit.jit_fuser(gated.__wrapped__, backend="eager")
+        print(torch.equal(eager(x, y), torch.nn.functional.silu(x) * y),
+              any(m.startswith("torch._dynamo") for m in sys.modules), eager.__name__)
+    """, tmp_path)
+    assert out == ["False", "True", "True", "False", "True", "True", "gated"]
