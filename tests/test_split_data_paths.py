@@ -51,6 +51,21 @@ def test_each_dp_group_gets_its_rows_trimmed_and_int32():
     assert compact_rows(_output([0, 0])).responses.shape == (2, 0)
 
 
+def test_a_group_of_rows_crosses_without_the_rest_of_its_batch():
+    """torch.save writes a view's whole storage: one DP group's message of a 64-row chunk (2 of its rows), and a
+    critic DP group's half of the batch columns, serialize to about their own tensor bytes, not the batch's."""
+    from hybridrl.parallel.split_world import serialize
+    from hybridrl.trainer.split_critic import _rows_of
+
+    msg = {"lo": 0, "hi": 32, "n": 2, "version": 0, "last": True, "out": _output([4] * 64, width=256), "spans": []}
+    mine = dict(group_messages(msg, [1, 31]))[0]  # the chunk's log-probs alone are 64 x 256 x 4 = 64 KiB
+    assert serialize(mine).numel() < tensor_bytes(mine["out"]) + 8192
+    columns = {"values": (torch.randn(64, 512), torch.float32), "input_ids": (torch.ones(64, 512).int(), torch.long)}
+    half = _rows_of({"kind": "values", "batch": columns}, 2, 1)
+    torch.testing.assert_close(half["batch"]["values"][0], columns["values"][0][32:])
+    assert serialize(half).numel() < 32 * 512 * 8 + 8192
+
+
 # 2 trainers (DP 2) + 2 rollout ranks (one engine at rollout TP 2), staleness 1, 3 steps: rows per DP group,
 # the weights once per update, the timeline written for the hand computation of the overlap
 DP2_TP2 = ["placement.mode=split", "placement.rollout_world_size=2", "rollout.tensor_model_parallel_size=2",
