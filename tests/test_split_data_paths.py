@@ -1,11 +1,14 @@
 """Split placement's data paths: each trainer DP group receives only its own rows (trimmed, int32 token ids),
-the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula, and
-`perf/overlap` / `perf/idle/*` against a hand computation from the run's own span timeline."""
+the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula,
+`perf/overlap` / `perf/idle/*` against a hand computation from the run's own span timeline, and those late
+figures in the run's offline W&B history at the step they belong to."""
+import glob
 import os
 
 import pytest
 import torch
 
+import wandb_files
 from test_split_placement import _hf_weights
 from test_trainer import _torchrun, read_scalars
 
@@ -51,16 +54,33 @@ def test_each_dp_group_gets_its_rows_trimmed_and_int32():
     assert compact_rows(_output([0, 0])).responses.shape == (2, 0)
 
 
+def test_a_group_of_rows_crosses_without_the_rest_of_its_batch():
+    """torch.save writes a view's whole storage: one DP group's message of a 64-row chunk (2 of its rows), and a
+    critic DP group's half of the batch columns, serialize to about their own tensor bytes, not the batch's."""
+    from hybridrl.parallel.split_world import serialize
+    from hybridrl.trainer.split_critic import _rows_of
+
+    msg = {"lo": 0, "hi": 32, "n": 2, "version": 0, "last": True, "out": _output([4] * 64, width=256), "spans": []}
+    mine = dict(group_messages(msg, [1, 31]))[0]  # the chunk's log-probs alone are 64 x 256 x 4 = 64 KiB
+    assert serialize(mine).numel() < tensor_bytes(mine["out"]) + 8192
+    columns = {"values": (torch.randn(64, 512), torch.float32), "input_ids": (torch.ones(64, 512).int(), torch.long)}
+    half = _rows_of({"kind": "values", "batch": columns}, 2, 1)
+    torch.testing.assert_close(half["batch"]["values"][0], columns["values"][0][32:])
+    assert serialize(half).numel() < 32 * 512 * 8 + 8192
+
+
 # 2 trainers (DP 2) + 2 rollout ranks (one engine at rollout TP 2), staleness 1, 3 steps: rows per DP group,
-# the weights once per update, the timeline written for the hand computation of the overlap
+# the weights once per update, the timeline written for the hand computation of the overlap, an offline W&B run
 DP2_TP2 = ["placement.mode=split", "placement.rollout_world_size=2", "rollout.tensor_model_parallel_size=2",
-           "async_training.staleness_threshold=1", "trainer.total_training_steps=3"]
+           "async_training.staleness_threshold=1", "trainer.total_training_steps=3",
+           "trainer.logger=[console,tensorboard,wandb]"]
 
 
 @pytest.fixture(scope="module")
 def dp2_tp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp2_tp2")
-    _torchrun(tmp, 4, DP2_TP2 + [f"trainer.timeline_dir={tmp}/tl", f"trainer.export_hf_dir={tmp}/hf"])
+    _torchrun(tmp, 4, DP2_TP2 + [f"trainer.timeline_dir={tmp}/tl", f"trainer.export_hf_dir={tmp}/hf"],
+              env={"WANDB_MODE": "offline"})
     return tmp
 
 
@@ -121,3 +141,21 @@ def test_overlap_and_idle_by_hand_from_the_timeline(dp2_tp2):
     assert max(scalars["perf/overlap"].values()) > 0
     assert all(0 < scalars["perf/idle/trainer"][s] < 1 for s in (1, 2, 3))
     assert os.path.exists(dp2_tp2 / "hf")
+
+
+@pytest.mark.slow
+def test_late_figures_reach_wandb_at_their_step(dp2_tp2):
+    """perf/overlap, perf/idle/* and perf/weight_sync_bytes of step k are logged after step k+1's row: the
+    offline W&B run holds them at training/global_step k, the x axis of every chart, equal to TensorBoard's
+    like every other scalar (`run.log(step=k)` below W&B's current step dropped those of steps 1 and 2)."""
+    runs = glob.glob(str(dp2_tp2 / "tb" / "**" / "offline-run-*" / "run-*.wandb"), recursive=True)
+    assert len(runs) == 1, runs
+    history, scalars = wandb_files.history(runs[0]), read_scalars(dp2_tp2)
+    assert sorted(history) == [1, 2, 3]
+    for tag, by_step in scalars.items():
+        for step, value in by_step.items():
+            assert history[step][tag] == pytest.approx(value, rel=1e-6), (tag, step)
+    late = {"perf/overlap", "perf/idle/trainer", "perf/idle/rollout", "perf/weight_sync_bytes"}
+    assert all(late <= set(history[step]) for step in (1, 2, 3))
+    axes = wandb_files.step_metrics(runs[0])  # define_metric: every chart's x is the logged global step
+    assert axes["*"] == "training/global_step" and set(axes.values()) == {"training/global_step"}, axes

@@ -384,28 +384,53 @@ def _writers(folder) -> set:
     return {int(n.split("_")[2]) for n in os.listdir(folder) if n.endswith(".distcp")}
 
 
+def _critic_rows_bytes(prompt_width: float, response_width: float) -> float:
+    """Bytes of batch columns a critic of its own receives in one step, on all its ranks together: 4 prompts x
+    n 2 = 8 rows; for `values` the token ids (int32) and attention mask (bool) of prompt + response columns
+    and the response mask (bool); for `update` only the returns (fp32, the rest is held from `values`)."""
+    rows, columns = 8, prompt_width + response_width
+    return rows * (columns * (4 + 1) + response_width * (1 + 4))
+
+
 @pytest.mark.slow
 def test_a_critic_of_its_own(gae_colocated, tmp_path):
-    """PPO with the critic on 2 ranks of its own at TP 2 (values pass and update beside the actor's):
-    the colocated step; its checkpoint (critic part written by the critic ranks) resumes colocated."""
-    _torchrun(tmp_path, 4, GAE + SPLIT + ["placement.critic_world_size=2", "critic.tensor_model_parallel_size=2",
+    """PPO with the critic on 2 ranks of its own at DP 2 (values pass and update beside the actor's): the
+    colocated step; each critic rank received only its DP group's half of the rows; its checkpoint (critic
+    part written by the critic ranks) resumes colocated."""
+    _torchrun(tmp_path, 4, GAE + SPLIT + ["placement.critic_world_size=2", "critic.tensor_model_parallel_size=1",
                                           "trainer.total_training_steps=2", f"trainer.timeline_dir={tmp_path}/tl"])
-    reference = read_scalars(gae_colocated)
-    _assert_same_run(reference, read_scalars(tmp_path), (1, 2))
+    reference, scalars = read_scalars(gae_colocated), read_scalars(tmp_path)
+    _assert_same_run(reference, scalars, (1, 2))
+    # perf/rows_bytes: the trainer's rows from the rollout rank (8 rows of the batch's widest response, 9 bytes a
+    # token: int32 id, bool mask, fp32 log-prob) and half the critic's columns on each of the 2 critic ranks
+    # (the whole batch to both, as a broadcast sent it, was twice the critic's share)
+    for step in (1, 2):
+        prompt, response = scalars["prompt_length/max"][step], scalars["response_length/max"][step]
+        rollout = 8 * response * 9
+        assert scalars["perf/rows_bytes"][step] == rollout + _critic_rows_bytes(prompt, 4), (step, prompt, response)
     from hybridrl.timeline import read_trace
 
-    # the critic's passes ran on its ranks (1 and 2) and nowhere else, each before the trainer got its answer
+    # the critic's passes ran on its ranks (1 and 2) and nowhere else, each inside its step and ended before the
+    # trainer got its answer (the end of rank 0's last span of that phase in the step; the critic may finish
+    # while the trainer still runs the actor's passes)
     events = read_trace(str(tmp_path / "tl" / "timeline.json"))
     assert {tid for tid, *_ in _spans(events, "critic")} == {1, 2}
+    marks = {e["name"]: e["ts"] / 1e6 for e in events if e["ph"] == "i" and e["tid"] == 0}
     for phase in ("values", "update_critic"):
         asked = _spans(events, "trainer", phase)  # rank 0 sending the request or waiting for the answer
         assert {t for t, *_ in asked} == {0}
         for rank in (1, 2):
             done = _spans(events, "critic", phase, rank)
-            assert len(done) == 2 and all(any(a[2] <= d[3] <= a[3] for a in asked) for d in done), (phase, done, asked)
+            assert len(done) == 2, (phase, rank, done)
+            for step, (_, _, start, end) in zip((1, 2), done):
+                lo, hi = marks[f"step {step}"], marks[f"step {step} end"]
+                answered = max(a[3] for a in asked if lo <= a[2] <= hi)
+                assert lo <= start and end <= answered, (phase, rank, step, done, asked)
     assert not _spans(events, "rollout", "values") and not _spans(events, "rollout", "update_critic")
-    # the critic's part written by its 2 ranks (a shard file per writer, __<rank>_<n>.distcp), the actor's by 1
-    assert _writers(tmp_path / "ckpt" / "global_step_2" / "critic") == {0, 1}
+    # the critic's part saved by its 2 ranks, DP replicas written once: by the critic's first rank (a shard file
+    # per writer, __<rank>_<n>.distcp, ranks of the critic's world); the actor's by the trainer
+    assert {t for t, *_ in _spans(events, "critic", "save")} == {1, 2}
+    assert _writers(tmp_path / "ckpt" / "global_step_2" / "critic") == {0}
     assert _writers(tmp_path / "ckpt" / "global_step_2" / "actor") == {0}
     proc = _colocated(tmp_path, GAE + ["trainer.total_training_steps=4"] + _resumed_leg(tmp_path, "resumed"))
     assert_resumed(proc.stdout + proc.stderr, tmp_path / "resumed", 2, 4)

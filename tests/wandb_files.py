@@ -35,13 +35,23 @@ def records(path):
         yield record
 
 
-def history(path):
-    """{step: {key: value}} of every `wandb.log` call."""
+def history(path, step_key="training/global_step"):
+    """{step: {key: value}} of every `wandb.log` call, by the step its row names in `step_key` (the x axis
+    hybridrl's writer defines; W&B's own `_step` counts calls); rows of one step merged in logging order."""
     out = {}
     for r in records(path):
         if r.WhichOneof("record_type") == "history":
             row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            out.setdefault(int(row.pop("_step")), {}).update(row)
+            out.setdefault(int(row[step_key]), {}).update(row)
+    return out
+
+
+def step_metrics(path):
+    """{metric name or glob: the metric W&B plots it against} of the run's `define_metric` calls."""
+    out = {}
+    for r in records(path):
+        if r.WhichOneof("record_type") == "metric" and r.metric.step_metric:
+            out[r.metric.name or r.metric.glob_name] = r.metric.step_metric
     return out
 
 

@@ -157,11 +157,18 @@ def wandb_mode() -> str:
         return "offline"
 
 
+STEP_KEY = "training/global_step"
+"""The x axis of every W&B chart: a field of each logged row, not W&B's own `step`."""
+
+
 class MetricsWriter:
     """Console lines, TensorBoard scalars and a Weights & Biases run; a no-op on ranks other than 0.
 
     `sinks` are verl's `trainer.logger` names. W&B gets the project and experiment names, the resolved
-    config (`config`, a plain dict) and its run folder under `log_dir`; offline unless the user logged in."""
+    config (`config`, a plain dict) and its run folder under `log_dir`; offline unless the user logged in.
+    A step's figures may come after the next step's (split placement's perf/overlap of step k is known after
+    step k+1): W&B drops `run.log(step=k)` below its current step, so every metric is plotted against
+    `training/global_step` (define_metric), logged as a field of each row."""
 
     def __init__(self, sinks, log_dir: str, enabled: bool, project: str = "hybridrl", experiment: str = "",
                  config: dict | None = None):
@@ -187,6 +194,8 @@ class MetricsWriter:
             os.makedirs(log_dir, exist_ok=True)
             self.wandb = wandb.init(project=project, name=experiment or None, dir=log_dir, config=config or {},
                                     mode=wandb_mode(), reinit="create_new")
+            self.wandb.define_metric(STEP_KEY)
+            self.wandb.define_metric("*", step_metric=STEP_KEY)
 
     def log(self, metrics: Dict[str, float], step: int, console_keys=None, console: bool = True) -> None:
         """TensorBoard and W&B always; a console line (console_keys, else all) when `console`."""
@@ -197,7 +206,7 @@ class MetricsWriter:
                 self.tb.add_scalar(key, value, step)
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log(dict(metrics), step=step)
+            self.wandb.log({**metrics, STEP_KEY: step})
         if self.console and console:
             keys = console_keys or sorted(metrics)
             from tqdm import tqdm  # writes above an active progress bar instead of through it

@@ -13,6 +13,7 @@ This module only creates groups and moves bytes; it knows nothing of models, eng
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from dataclasses import dataclass
@@ -145,6 +146,14 @@ class Bridge:
         self.store.set(key, str(payload.numel()))
         self.pg.send([payload], self.index[dst], 0).wait()
 
+    def send_to_groups(self, parts, group_of: dict) -> None:
+        """`parts`: (group, obj) pairs; each obj is serialized once and sent to every member r with
+        group_of[r] == group (each calls `recv_object`)."""
+        for group, obj in parts:
+            payload = serialize(obj)
+            for rank in (r for r, g in group_of.items() if g == group):
+                self.send_object(payload, rank)
+
     def recv_object(self, src: int):
         key = self._bell(src, self.rank)
         liveness.wait_key(self.store, key, [src])
@@ -170,9 +179,25 @@ class Bridge:
 
 def serialize(obj) -> torch.Tensor:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(_own_storage(obj), buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def _deserialize(payload: torch.Tensor):
     return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+
+
+def _own_storage(obj):
+    """`obj` with each tensor that views a larger storage (a DP group's rows of a batch) copied out: torch.save
+    writes a view's whole storage, so the rows of every group would cross each time. Walks dicts, lists,
+    tuples and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size() else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _own_storage(getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: _own_storage(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_own_storage(x) for x in obj)
+    return obj

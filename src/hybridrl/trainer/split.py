@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.config import Config
-from hybridrl.parallel.split_world import Bridge, SplitWorld, serialize
+from hybridrl.parallel.split_world import Bridge, SplitWorld
 from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
 from hybridrl.trainer.split_partial import PARTIAL_KEY, _PartialWeights
@@ -315,10 +315,7 @@ class _Server:
         """Each trainer rank gets its DP group's rows of each chunk (every rank of the group the same)."""
         while (msg := outbox.get()) is not StopIteration:
             try:
-                for d, part in group_messages(msg, counts):
-                    payload = serialize(part)
-                    for rank in (r for r, dp in enumerate(self.dp_of) if dp == d):
-                        self.control.send_object(payload, rank)
+                self.control.send_to_groups(group_messages(msg, counts), dict(enumerate(self.dp_of)))
             except BaseException as err:  # re-raised on the main thread
                 failed.append(err)
                 return

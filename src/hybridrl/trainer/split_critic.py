@@ -3,9 +3,10 @@
 The c ranks just before the rollout ranks hold the critic at `critic.tensor_model_parallel_size` /
 `pipeline_model_parallel_size` in a megatron-core world of their own. The trainers' rank 0 talks to
 them over the `critic` bridge: `values` (a forward over the step's batch) and `update` (the clipped
-value-loss update) carry the DP-gathered batch columns the critic needs, once per step (`update` adds only
-the returns to what `values` brought; token ids int32, masks bool); each critic DP rank takes its slice,
-and the critic's first rank answers with the gathered values or the update's metrics. With
+value-loss update) carry the batch columns the critic needs, once per step (`update` adds only the returns
+to what `values` brought; token ids int32, masks bool). Rank 0 gathers them over the trainers' DP and sends
+each critic rank only the rows of its critic DP group (serialized once per group; TP/PP peers get the same),
+and the critic's first rank answers with the values gathered over the critic's DP or the update's metrics. With
 `trainer.timeline_dir` set every critic rank records its phases (`values`, `update_critic`, `save`, `load`,
 `wait_request`) and the answers carry them to the trainers' timeline.json. A request
 is sent before the actor's own work and answered after it, so the critic's values pass overlaps the
@@ -15,6 +16,7 @@ critic's part of a checkpoint folder with dist_checkpointing over the critic ran
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from hybridrl.parallel import liveness
 from hybridrl.parallel.split_world import Bridge, SplitWorld
 from hybridrl.trainer.split import talking_to
 from hybridrl.trainer.rollout_rows import tensor_bytes
-from hybridrl.trainer.step_batch import gather_dp, local_slice
+from hybridrl.trainer.step_batch import dp_rows, gather_dp, local_slice
 
 VALUE_KEYS = ("input_ids", "attention_mask", "response_mask")
 UPDATE_KEYS = VALUE_KEYS + ("values", "returns")
@@ -60,23 +62,34 @@ class RemoteCritic:
         self.on_wait = None
         """Called as on_wait(start, end) (perf_counter seconds) around each exchange with the critic ranks."""
         self.rows_bytes = 0
-        """Bytes of batch columns the critic ranks received from this rank (perf/rows_bytes)."""
+        """Bytes of batch columns the critic ranks received from this rank (perf/rows_bytes): each critic rank
+        its critic DP group's rows."""
         self.sent = None
         """The batch whose columns the critic ranks hold (from its `values` request)."""
         self.answers = 0
         self.spans = []
         """The critic ranks' (global rank, phase, start, end) spans so far, on trainer rank 0 (timeline.json)."""
-        self._send({"kind": "hello", "folder": hf_folder, "total_steps": total_steps})
+        self.dp_of = {}
+        """Critic global rank -> its critic DP rank (on trainer rank 0): which rows each critic rank receives."""
+        if self.bridge is not None:
+            with talking_to("critic", world.ranks_of("critic"), "start-up"):
+                self.bridge.broadcast_object({"kind": "hello", "folder": hf_folder, "total_steps": total_steps}, 0)
+                self.dp_of = self.bridge.broadcast_object(None, self.leader)
 
     def _waited(self, start: float) -> None:
         if self.on_wait is not None:
             self.on_wait(start, time.perf_counter())
 
     def _send(self, msg) -> None:
-        if self.bridge is not None:
-            self.rows_bytes += tensor_bytes(msg.get("batch", {})) * (len(self.bridge.members) - 1)
-            with talking_to("critic", self.world.ranks_of("critic"), f"the {msg['kind']} request"):
-                self.bridge.broadcast_object(msg, 0)
+        """`msg` to every critic rank, its `batch` columns (gathered over the trainers' DP) cut to the rows of
+        the rank's critic DP group."""
+        if self.bridge is None:
+            return
+        ranks_in = Counter(self.dp_of.values())  # critic DP rank -> how many critic ranks receive its rows
+        parts = [(d, _rows_of(msg, len(ranks_in), d)) for d in range(len(ranks_in))]
+        self.rows_bytes += sum(tensor_bytes(part.get("batch", {})) * ranks_in[d] for d, part in parts)
+        with talking_to("critic", self.world.ranks_of("critic"), f"the {msg['kind']} request"):
+            self.bridge.send_to_groups(parts, self.dp_of)
 
     def _answer(self):
         """The critic leader's answer, on every trainer rank: the others wait for rank 0 to have it on a store
@@ -144,6 +157,13 @@ class RemoteCritic:
         self._send({"kind": "stop"})
 
 
+def _rows_of(msg: dict, dp: int, dp_rank: int) -> dict:
+    """`msg` with only critic DP rank `dp_rank`'s rows of its batch columns (as it is when it has none)."""
+    if "batch" not in msg:
+        return msg
+    return dict(msg, batch={k: (dp_rows(v, dp, dp_rank), dtype) for k, (v, dtype) in msg["batch"].items()})
+
+
 def serve_critic(cfg: Config, world: SplitWorld) -> int:
     """The loop of a critic rank: build the critic at its own TP/PP, then answer until `stop`."""
     from hybridrl.config.batching import resolve_batching
@@ -157,6 +177,9 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
                                  seed=cfg.trainer.seed)
     with talking_to("trainer", [0], "start-up"):
         hello = bridge.broadcast_object(None, 0)
+        dp_of = [None] * dist.get_world_size()
+        dist.all_gather_object(dp_of, groups.dp_rank)
+        bridge.broadcast_object(dict(zip(world.ranks_of("critic"), dp_of)), world.ranks_of("critic")[0])
     mini_batch_samples = cfg.critic.ppo_mini_batch_size * cfg.rollout.n
     worker = build_critic_worker(cfg, groups, hello["folder"], hello["total_steps"])
     batching = resolve_batching(cfg)
@@ -165,7 +188,7 @@ def serve_critic(cfg: Config, world: SplitWorld) -> int:
     timeline = Timeline(world.rank, "critic", bool(cfg.trainer.timeline_dir))
     while True:
         with talking_to("trainer", [0], "the wait for a request"), timeline.span("wait_request"):
-            msg = bridge.broadcast_object(None, 0)
+            msg = bridge.recv_object(0)
         kind = msg["kind"]
         if kind == "stop":
             return 0
@@ -194,7 +217,7 @@ def _serve(msg, worker, groups, held: dict, batching, mini_batch_samples: int):
 
     kind, answer = msg["kind"], None
     if kind in ("values", "update"):
-        batch = {k: local_slice(v, groups).to(groups.device, dtype) for k, (v, dtype) in msg["batch"].items()}
+        batch = {k: v.to(groups.device, dtype) for k, (v, dtype) in msg["batch"].items()}  # this DP group's rows
         if kind == "values":
             held.clear()
             held.update(batch, values=worker.compute_values(batch, batching.critic_values))

@@ -3,8 +3,9 @@
 from the bridges, the bytes that crossed between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`).
 
 `perf/rows_bytes` of step k: the row tensors of step k's batch that the trainer ranks received from the
-rollout leader (each rank its DP group's rows), plus the batch columns the critic ranks received (each
-critic rank all of them). `perf/weight_sync_bytes` of step k: the bytes of update k's weights that the
+rollout leader (each rank its DP group's rows), plus the batch columns that a critic of its own received:
+with B rows, critic DP d and c critic ranks, c * B / d rows of each column crossed (each critic rank the
+rows of its critic DP group; TP/PP peers receive the same ones). `perf/weight_sync_bytes` of step k: the bytes of update k's weights that the
 sending rank put on the weights bridge (each rollout rank receives them once); at staleness 1 they leave
 during step k+1, so they are logged with the step's late figures.
 

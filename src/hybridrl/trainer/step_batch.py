@@ -79,8 +79,13 @@ def gather_dp(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
 
 
 def local_slice(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
-    rows = t.shape[0] // groups.dp
-    return t[groups.dp_rank * rows:(groups.dp_rank + 1) * rows]
+    return dp_rows(t, groups.dp, groups.dp_rank)
+
+
+def dp_rows(t: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
+    """The rows of DP rank `dp_rank` of `dp` in a batch gathered over DP (`gather_dp`)."""
+    rows = t.shape[0] // dp
+    return t[dp_rank * rows:(dp_rank + 1) * rows]
 
 
 def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
