@@ -1,7 +1,9 @@
 """Split placement's data paths: each trainer DP group receives only its own rows (trimmed, int32 token ids),
-the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula, and
-`perf/overlap` / `perf/idle/*` against a hand computation from the run's own span timeline."""
+the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula, the
+weights of each pipeline stage from a sender of its own, and `perf/overlap` / `perf/idle/*` against a hand
+computation from the run's own span timeline."""
 import os
+import re
 
 import pytest
 import torch
@@ -13,6 +15,19 @@ from hybridrl.rollout.base import RolloutOutput
 from hybridrl.trainer.rollout_rows import compact_rows, full_rows, group_messages, merge_messages, tensor_bytes
 
 PAD = 0
+
+
+def bytes_by_stream(hf: dict, num_layers: int, pp: int, num_experts: int = 0, ep: int = 1) -> dict:
+    """{(stage, EP rank): bytes of the HF tensors its weight stream carries}, by hand from the names: layer i
+    on stage i // (num_layers / pp), the embedding on the first stage, the final norm and the head on the
+    last; expert e from EP rank e // (num_experts / ep), everything else from EP rank 0."""
+    out = {}
+    for name, t in hf.items():
+        layer, expert = re.match(r"model\.layers\.(\d+)\.", name), re.search(r"\.experts\.(\d+)\.", name)
+        stage = int(layer.group(1)) // (num_layers // pp) if layer else 0 if "embed_tokens" in name else pp - 1
+        key = (stage, int(expert.group(1)) // (num_experts // ep) if expert else 0)
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
 
 
 def _output(lengths, width=6):
@@ -77,6 +92,7 @@ def test_bytes_between_roles_follow_their_formula(dp2_tp2):
     assert scalars["perf/rows_bytes"] == {1: 288.0, 2: 288.0, 3: 288.0}
     weights = sum(t.numel() * t.element_size() for t in _hf_weights(dp2_tp2 / "hf").values())
     assert scalars["perf/weight_sync_bytes"] == {1: weights, 2: 0.0, 3: weights}
+    assert set(scalars["perf/weight_sync_sender_max_bytes"].values()) == {weights}  # one stage: one sender (DP 0)
 
 
 def _shares_by_hand(events, step):
@@ -121,3 +137,27 @@ def test_overlap_and_idle_by_hand_from_the_timeline(dp2_tp2):
     assert max(scalars["perf/overlap"].values()) > 0
     assert all(0 < scalars["perf/idle/trainer"][s] < 1 for s in (1, 2, 3))
     assert os.path.exists(dp2_tp2 / "hf")
+
+
+@pytest.mark.slow
+def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
+    """Trainers at PP 2 (2 ranks) and one rollout rank, synchronous, 2 steps: each stage's DP-0/TP-0 rank sends
+    its own stage's tensors over a bridge of its own, both at once, verified by the rollout rank (fingerprints
+    of what it received and of what its engine stored), in buckets of 20 KiB: many per stream, two in flight.
+    Per update the two streams carry every HF tensor once
+    and the larger one exactly the larger stage's bytes by hand (stage 1: layer 1, the norm and the head; with
+    the total that pins both: rank 0 no longer sends stage 1's tensors; that no stage receives another's is
+    test_reshard's stage-stream test). Batch 2, generated with update 1's weights, agrees with the trainer's
+    log-probs as batch 1 does (the engine holds them)."""
+    _torchrun(tmp_path, 3, ["placement.mode=split", "placement.rollout_world_size=1", "trainer.total_training_steps=2",
+                            "parallel.pipeline_model_parallel_size=2", "model.tie_word_embeddings=false",
+                            "rollout.update_weights_bucket_mb=0.02", f"trainer.export_hf_dir={tmp_path}/hf"])
+    scalars = read_scalars(tmp_path)
+    streams = bytes_by_stream(_hf_weights(tmp_path / "hf"), 2, 2)
+    assert set(streams) == {(0, 0), (1, 0)} and streams[(1, 0)] > streams[(0, 0)], streams
+    assert scalars["perf/weight_sync_bytes"] == {1: sum(streams.values()), 2: sum(streams.values())}
+    assert scalars["perf/weight_sync_sender_max_bytes"] == {1: streams[(1, 0)], 2: streams[(1, 0)]}
+    # 20 KiB buckets: each stream's ~160 KB go in >= 6 buckets (the embedding or the head, fc1 and fc2 alone, the
+    # rest between them) through its two buffers, each reused after a wait (13 in all)
+    assert min(scalars["perf/weight_sync_buckets"].values()) >= 12, scalars["perf/weight_sync_buckets"]
+    assert max(scalars["rollout/logprob_diff_mean"].values()) < 1e-4, scalars["rollout/logprob_diff_mean"]
