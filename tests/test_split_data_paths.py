@@ -4,12 +4,14 @@ weights of each pipeline stage from a sender of its own, and `perf/overlap` / `p
 computation from the run's own span timeline."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from test_split_placement import _hf_weights
-from test_trainer import _torchrun, read_scalars
+from test_trainer import ROOT, TINY, _overrides, _torchrun, read_scalars
 
 from hybridrl.rollout.base import RolloutOutput
 from hybridrl.trainer.rollout_rows import compact_rows, full_rows, group_messages, merge_messages, tensor_bytes
@@ -139,6 +141,10 @@ def test_overlap_and_idle_by_hand_from_the_timeline(dp2_tp2):
     assert os.path.exists(dp2_tp2 / "hf")
 
 
+PP2_SPLIT = ["placement.mode=split", "placement.rollout_world_size=1", "parallel.pipeline_model_parallel_size=2",
+             "model.tie_word_embeddings=false"]
+
+
 @pytest.mark.slow
 def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
     """Trainers at PP 2 (2 ranks) and one rollout rank, synchronous, 2 steps: each stage's DP-0/TP-0 rank sends
@@ -149,9 +155,8 @@ def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
     the total that pins both: rank 0 no longer sends stage 1's tensors; that no stage receives another's is
     test_reshard's stage-stream test). Batch 2, generated with update 1's weights, agrees with the trainer's
     log-probs as batch 1 does (the engine holds them)."""
-    _torchrun(tmp_path, 3, ["placement.mode=split", "placement.rollout_world_size=1", "trainer.total_training_steps=2",
-                            "parallel.pipeline_model_parallel_size=2", "model.tie_word_embeddings=false",
-                            "rollout.update_weights_bucket_mb=0.02", f"trainer.export_hf_dir={tmp_path}/hf"])
+    _torchrun(tmp_path, 3, PP2_SPLIT + ["trainer.total_training_steps=2", "rollout.update_weights_bucket_mb=0.02",
+                                        f"trainer.export_hf_dir={tmp_path}/hf"])
     scalars = read_scalars(tmp_path)
     streams = bytes_by_stream(_hf_weights(tmp_path / "hf"), 2, 2)
     assert set(streams) == {(0, 0), (1, 0)} and streams[(1, 0)] > streams[(0, 0)], streams
@@ -161,3 +166,31 @@ def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
     # rest between them) through its two buffers, each reused after a wait (13 in all)
     assert min(scalars["perf/weight_sync_buckets"].values()) >= 12, scalars["perf/weight_sync_buckets"]
     assert max(scalars["rollout/logprob_diff_mean"].values()) < 1e-4, scalars["rollout/logprob_diff_mean"]
+
+
+@pytest.mark.slow
+def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path):
+    """PP 2 in split placement, one rank a process (as srun starts them), the engine storing one tensor of stage 1
+    wrongly (tests/corrupt_store.py): the first sync stops both trainer ranks, each with the same one `error:`
+    line naming that tensor; stage 0's sender learns it from the rollout ranks' verdict like stage 1's."""
+    from dist_helper import free_port
+
+    bad = "model.layers.1.mlp.down_proj.weight"
+    script = [os.path.join(os.path.dirname(__file__), "corrupt_store.py"), "--config", TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               CORRUPT_TENSOR=bad)
+    os.makedirs(tmp_path, exist_ok=True)
+    logs = [tmp_path / f"out{r}.log" for r in range(3)]
+    procs = [subprocess.Popen([sys.executable] + script + _overrides(tmp_path, PP2_SPLIT), cwd=ROOT,
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT,
+                              env=dict(env, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r))) for r in range(3)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs[:2]]
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [[line for line in log.read_text().splitlines() if line.startswith("error:")] for log in logs[:2]]
+    assert codes[0] != 0 and codes[1] != 0, codes
+    assert len(errors[0]) == 1 and errors[0] == errors[1], errors
+    assert errors[0][0].startswith(f"error: engine's stored copy of '{bad}'"), errors  # not "rollout rank 2 died"
+    assert "differs from what it received" in errors[0][0], errors

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld, serialize
+from hybridrl.placement.reshard import HandoffError
 from hybridrl.placement.transport import (BYTES, MAX_BYTES, SENDER, WeightReceiver, WeightSender, my_stream,
                                           weight_streams)
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
@@ -43,7 +44,7 @@ def talking_to(role: str, ranks: list, phase: str):
     who and when."""
     try:
         yield
-    except PeerLostError:
+    except (PeerLostError, HandoffError):  # a bad handoff is the verdict of live peers, not a lost one
         raise
     except (RuntimeError, ConnectionError) as err:  # gloo/nccl report a dead peer as RuntimeError subclasses
         dead = getattr(err, "ranks", None)  # liveness.PeerDied: the silent ranks themselves
