@@ -8,6 +8,7 @@ import torch
 
 from dist_helper import run_distributed
 from shifted_routes import shift_routes
+from test_split_data_paths import bytes_by_stream
 from test_split_placement import _hf_weights
 from test_trainer import TINY, _overrides, _torchrun, _train, read_scalars
 
@@ -76,9 +77,17 @@ def test_split_placement_carries_the_routes(tmp_path):
     of its own, one step off-policy: the routes come back with the responses, joined across chunks. The engine
     reports the first batch's routes shifted by one: that batch comes from the initial weights, so only the
     routes can make the trainer disagree with the engine (1e-7 with the true ones, as EP 1 at step 1; later
-    batches are a version old, which alone gives ~2e-2)."""
+    batches are a version old, which alone gives ~2e-2). The weights: each EP rank sends the experts it holds
+    (EP rank 0 everything else too), each over a bridge of its own: the larger stream is by hand the dense
+    tensors and experts 0-1, the two together every HF tensor once."""
     _torchrun(tmp_path, 3, MOE + ["algorithm.adv_estimator=grpo", "parallel.expert_model_parallel_size=2",
                                   "placement.mode=split", "placement.rollout_world_size=1",
-                                  "async_training.staleness_threshold=1"], script=SHIFTED, env={"SHIFT_ROUTES_ON": "1"})
-    diff = read_scalars(tmp_path)["rollout/logprob_diff_mean"]
+                                  "async_training.staleness_threshold=1", f"trainer.export_hf_dir={tmp_path}/hf"],
+              script=SHIFTED, env={"SHIFT_ROUTES_ON": "1"})
+    scalars = read_scalars(tmp_path)
+    diff = scalars["rollout/logprob_diff_mean"]
     assert diff[1] > 1e-3 and len(diff) == 3, diff
+    streams = bytes_by_stream(_hf_weights(tmp_path / "hf"), 2, 1, 4, 2)
+    assert set(streams) == {(0, 0), (0, 1)} and streams[(0, 0)] > streams[(0, 1)]
+    assert set(scalars["perf/weight_sync_bytes"].values()) == {0.0, sum(streams.values())}
+    assert set(scalars["perf/weight_sync_sender_max_bytes"].values()) == {streams[(0, 0)]}

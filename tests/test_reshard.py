@@ -5,6 +5,7 @@ verified handoff (an engine that stores a tensor wrongly through its own load pa
 the fingerprint and by the exact hash), the direct shard path at equal TP, the vLLM worker's
 read-back of its own parameter layout, and the measured peak memory bound.
 """
+import re
 import types
 
 import pytest
@@ -285,6 +286,28 @@ def _layout_copy_bytes(spec, groups, rollout_tp: int, engine_rank: int) -> int:
     return total
 
 
+class _NoGroup:
+    """A process group every collective on fails: a stage's own weight stream must not need one."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{name} on a process group a stage's weight stream must not use")
+
+
+def _stage_stream(model, spec, groups):
+    """This stage's weight stream of split placement (`transport.stream_names`), walked with the PP and EP
+    groups cut off, and the bucket plan its sender sends once."""
+    from dataclasses import replace
+
+    from hybridrl.placement import reshard
+    from hybridrl.placement.transport import bucket_plan, stream_names
+
+    held = stream_names(spec, groups.pp_rank, 0, groups.pp, 1)
+    cut_off = replace(groups, pp_group=_NoGroup(), ep_group=_NoGroup())
+    buckets = [[(n, t.clone()) for n, t in b]
+               for b in reshard.iter_hf_weights(model, spec, cut_off, int(BUCKET_MB * 2**20), held)]
+    return buckets, bucket_plan(spec, int(BUCKET_MB * 2**20), groups.tp, torch.float32, held)
+
+
 def _handoffs(folder, tied_folder, bench_folder):
     from hybridrl.placement import reshard
     from hybridrl.models.hf_checkpoint import SafetensorsReader, mcore_to_hf_stream, model_from_hf
@@ -299,7 +322,8 @@ def _handoffs(folder, tied_folder, bench_folder):
     res = {"export_is_checkpoint": all(torch.equal(t, reader.read(n)) for n, t in export.items()),
            "buckets": [[(n, t.clone()) for n, t in b]
                        for b in reshard.iter_hf_weights(model, spec, groups, int(BUCKET_MB * 2**20))],
-           "export": export, "rank": groups.pp_rank * 2 + groups.tp_rank}
+           "export": export, "rank": groups.pp_rank * 2 + groups.tp_rank,
+           "stage_stream": _stage_stream(model, spec, groups)}
     for tp in (1, 2):
         engine = NativeEngine(spec, tp)
         res[f"report_tp{tp}"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB,
@@ -384,6 +408,31 @@ def test_buckets_are_bounded_and_cover_the_export(runs):
             size = sum(torch.Size(hc.mcore_full_shape(g, spec, 2)).numel() * 4 for g in owners)
             assert size <= cap or len(owners) == 1, f"bucket of {size} bytes holds {len(owners)} tensors"
         assert any(len(b) > 3 for b in res["buckets"]) and any(len(b) == 1 for b in res["buckets"])
+
+
+def _stage_by_hand(hf_name: str, num_layers: int, pp: int) -> int:
+    """Layer i on stage i // (num_layers / pp), the embedding on the first stage, the rest (norm, head) on the last."""
+    layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    return int(layer.group(1)) // (num_layers // pp) if layer else 0 if "embed_tokens" in hf_name else pp - 1
+
+
+@pytest.mark.distributed
+def test_a_stage_stream_carries_its_own_tensors_alone(runs):
+    """Split placement's stream of one pipeline stage (TP 2 x PP 2, 4 layers): every rank walks its stage's
+    HF tensors only (stage 0 the embedding and layers 0-1, stage 1 layers 2-3, the norm and the head), equal
+    to the export, with its PP and EP groups cut off (nothing crossed stages), in the buckets of the plan its
+    sender sends once; the two stages' streams cover the export once."""
+    spec = runs[0]["spec"]
+    covered = []
+    for res in runs:
+        buckets, plan = res["stage_stream"]
+        stage = res["rank"] // 2
+        names = [n for b in buckets for n, _ in b]
+        assert names == [n for n in res["export"] if _stage_by_hand(n, spec.num_layers, 2) == stage], (stage, names)
+        assert all(torch.equal(t, res["export"][n]) for b in buckets for n, t in b)
+        assert [[(n, tuple(t.shape)) for n, t in b] for b in buckets] == plan and len(plan) > 1
+        covered += names if res["rank"] % 2 == 0 else []
+    assert sorted(covered) == sorted(runs[0]["export"])
 
 
 @pytest.mark.distributed

@@ -1,21 +1,38 @@
 """Split placement's data paths: each trainer DP group receives only its own rows (trimmed, int32 token ids),
-the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula,
-`perf/overlap` / `perf/idle/*` against a hand computation from the run's own span timeline, and those late
-figures in the run's offline W&B history at the step they belong to."""
+the bytes that cross between roles (`perf/rows_bytes`, `perf/weight_sync_bytes`) against their formula, the
+weights of each pipeline stage from a sender of its own, `perf/overlap` / `perf/idle/*` against a hand
+computation from the run's own span timeline, and those late figures in the run's offline W&B history at the
+step they belong to."""
 import glob
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import wandb_files
 from test_split_placement import _hf_weights
-from test_trainer import _torchrun, read_scalars
+from test_trainer import ROOT, TINY, _overrides, _torchrun, read_scalars
 
 from hybridrl.rollout.base import RolloutOutput
 from hybridrl.trainer.rollout_rows import compact_rows, full_rows, group_messages, merge_messages, tensor_bytes
 
 PAD = 0
+
+
+def bytes_by_stream(hf: dict, num_layers: int, pp: int, num_experts: int = 0, ep: int = 1) -> dict:
+    """{(stage, EP rank): bytes of the HF tensors its weight stream carries}, by hand from the names: layer i
+    on stage i // (num_layers / pp), the embedding on the first stage, the final norm and the head on the
+    last; expert e from EP rank e // (num_experts / ep), everything else from EP rank 0."""
+    out = {}
+    for name, t in hf.items():
+        layer, expert = re.match(r"model\.layers\.(\d+)\.", name), re.search(r"\.experts\.(\d+)\.", name)
+        stage = int(layer.group(1)) // (num_layers // pp) if layer else 0 if "embed_tokens" in name else pp - 1
+        key = (stage, int(expert.group(1)) // (num_experts // ep) if expert else 0)
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
 
 
 def _output(lengths, width=6):
@@ -97,6 +114,7 @@ def test_bytes_between_roles_follow_their_formula(dp2_tp2):
     assert scalars["perf/rows_bytes"] == {1: 288.0, 2: 288.0, 3: 288.0}
     weights = sum(t.numel() * t.element_size() for t in _hf_weights(dp2_tp2 / "hf").values())
     assert scalars["perf/weight_sync_bytes"] == {1: weights, 2: 0.0, 3: weights}
+    assert set(scalars["perf/weight_sync_sender_max_bytes"].values()) == {weights}  # one stage: one sender (DP 0)
 
 
 def _shares_by_hand(events, step):
@@ -159,3 +177,58 @@ def test_late_figures_reach_wandb_at_their_step(dp2_tp2):
     assert all(late <= set(history[step]) for step in (1, 2, 3))
     axes = wandb_files.step_metrics(runs[0])  # define_metric: every chart's x is the logged global step
     assert axes["*"] == "training/global_step" and set(axes.values()) == {"training/global_step"}, axes
+
+
+PP2_SPLIT = ["placement.mode=split", "placement.rollout_world_size=1", "parallel.pipeline_model_parallel_size=2",
+             "model.tie_word_embeddings=false"]
+
+
+@pytest.mark.slow
+def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
+    """Trainers at PP 2 (2 ranks) and one rollout rank, synchronous, 2 steps: each stage's DP-0/TP-0 rank sends
+    its own stage's tensors over a bridge of its own, both at once, verified by the rollout rank (fingerprints
+    of what it received and of what its engine stored), in buckets of 20 KiB: many per stream, two in flight.
+    Per update the two streams carry every HF tensor once
+    and the larger one exactly the larger stage's bytes by hand (stage 1: layer 1, the norm and the head; with
+    the total that pins both: rank 0 no longer sends stage 1's tensors; that no stage receives another's is
+    test_reshard's stage-stream test). Batch 2, generated with update 1's weights, agrees with the trainer's
+    log-probs as batch 1 does (the engine holds them)."""
+    _torchrun(tmp_path, 3, PP2_SPLIT + ["trainer.total_training_steps=2", "rollout.update_weights_bucket_mb=0.02",
+                                        f"trainer.export_hf_dir={tmp_path}/hf"])
+    scalars = read_scalars(tmp_path)
+    streams = bytes_by_stream(_hf_weights(tmp_path / "hf"), 2, 2)
+    assert set(streams) == {(0, 0), (1, 0)} and streams[(1, 0)] > streams[(0, 0)], streams
+    assert scalars["perf/weight_sync_bytes"] == {1: sum(streams.values()), 2: sum(streams.values())}
+    assert scalars["perf/weight_sync_sender_max_bytes"] == {1: streams[(1, 0)], 2: streams[(1, 0)]}
+    # 20 KiB buckets: each stream's ~160 KB go in >= 6 buckets (the embedding or the head, fc1 and fc2 alone, the
+    # rest between them) through its two buffers, each reused after a wait (13 in all)
+    assert min(scalars["perf/weight_sync_buckets"].values()) >= 12, scalars["perf/weight_sync_buckets"]
+    assert max(scalars["rollout/logprob_diff_mean"].values()) < 1e-4, scalars["rollout/logprob_diff_mean"]
+
+
+@pytest.mark.slow
+def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path):
+    """PP 2 in split placement, one rank a process (as srun starts them), the engine storing one tensor of stage 1
+    wrongly (tests/corrupt_store.py): the first sync stops both trainer ranks, each with the same one `error:`
+    line naming that tensor; stage 0's sender learns it from the rollout ranks' verdict like stage 1's."""
+    from dist_helper import free_port
+
+    bad = "model.layers.1.mlp.down_proj.weight"
+    script = [os.path.join(os.path.dirname(__file__), "corrupt_store.py"), "--config", TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               CORRUPT_TENSOR=bad)
+    os.makedirs(tmp_path, exist_ok=True)
+    logs = [tmp_path / f"out{r}.log" for r in range(3)]
+    procs = [subprocess.Popen([sys.executable] + script + _overrides(tmp_path, PP2_SPLIT), cwd=ROOT,
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT,
+                              env=dict(env, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r))) for r in range(3)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs[:2]]
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [[line for line in log.read_text().splitlines() if line.startswith("error:")] for log in logs[:2]]
+    assert codes[0] != 0 and codes[1] != 0, codes
+    assert len(errors[0]) == 1 and errors[0] == errors[1], errors
+    assert errors[0][0].startswith(f"error: engine's stored copy of '{bad}'"), errors  # not "rollout rank 2 died"
+    assert "differs from what it received" in errors[0][0], errors

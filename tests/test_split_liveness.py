@@ -1,5 +1,6 @@
 """Waits between split placement's roles: idle for longer than `trainer.dist_timeout_s` while the peers beat,
-ended by a silent peer's heartbeats with hybridrl's own `rank R died` line."""
+ended by a silent peer's heartbeats with hybridrl's own `rank R died` line; and two broadcasts in flight on one
+bridge (a weight sender's double buffering)."""
 import os
 import signal
 import time
@@ -41,6 +42,36 @@ def _long_idle_wait(port: int):
 def test_an_idle_wait_outlasts_the_timeout_while_the_peer_beats():
     """Rank 1 waits 6 s for rank 0 on a bridge whose timeout (dist_timeout_s) is 2 s: it gets the answer."""
     assert run_distributed(_long_idle_wait, 2, free_port()) == ["the answer", "the answer"]
+
+
+def _two_in_flight(port: int):
+    """Rank 0 starts broadcasting two buffers (a weight sender's two buckets) before rank 1, 1.5 s late, posts
+    its receives; (seconds rank 0 took to start both, what rank 1 got)."""
+    import torch
+
+    from hybridrl.parallel import liveness
+
+    rank, bridge = _bridge(port)
+    try:
+        buffers = [torch.full((4096,), float(k + 1)) if rank == 0 else torch.zeros(4096) for k in range(2)]
+        if rank == 1:
+            time.sleep(1.5)
+        start = time.monotonic()
+        waits = [bridge.start_broadcast(b, 0) for b in buffers]
+        started = time.monotonic() - start
+        for wait in waits:
+            wait()
+        return started, [sorted(set(b.tolist())) for b in buffers]
+    finally:
+        liveness.stop()
+
+
+def test_two_broadcasts_in_flight_on_one_bridge():
+    """`Bridge.start_broadcast` returns at once (the sender gathers its next bucket meanwhile) with two in flight
+    on one bridge; both arrive whole and in order once the receiver posts, late."""
+    (started, _), (_, got) = run_distributed(_two_in_flight, 2, free_port(), timeout=90)
+    assert started < 0.5, started
+    assert got == [[1.0], [2.0]]
 
 
 def _silent_peer(port: int):

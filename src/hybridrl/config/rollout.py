@@ -69,8 +69,8 @@ class RolloutConfig:
     """Top-k sampling; -1 disables."""
     tensor_model_parallel_size: int = 1
     """TP of the inference engine (may differ from training TP)."""
-    update_weights_bucket_mb: int = 64
-    """Size of one weight bucket streamed into the engine."""
+    update_weights_bucket_mb: float = 64
+    """Size of one weight bucket streamed into the engine, in MiB (a fraction cuts a tiny model into several)."""
     verify_weights: str = "fingerprint"
     """Weight-sync check of what the engine stored: fingerprint (on device), exact (host hash), off."""
     share_weights: bool = True

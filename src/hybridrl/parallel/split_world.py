@@ -119,10 +119,16 @@ class Bridge:
         liveness.wait_alive(work, self.members)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self.start_broadcast(tensor, src)()
+        return tensor
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int):
+        """Start broadcasting `tensor` from `src`; returns the call that waits for its end (`tensor` must not
+        be read or written before it returns). Several may be in flight; every member starts them in one order."""
         opts = dist.BroadcastOptions()
         opts.rootRank = self.index[src]
-        self._wait(self.pg.broadcast([tensor], opts))
-        return tensor
+        work = self.pg.broadcast([tensor], opts)
+        return lambda: self._wait(work)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self._wait(self.pg.allreduce([tensor]))

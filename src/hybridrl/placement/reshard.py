@@ -128,8 +128,9 @@ def source_tensor(local: dict, global_name: str) -> torch.Tensor:
     return local[global_name].detach()
 
 
-def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _Staging) -> list:
-    """(hf_name, tensor) of one megatron tensor, in the bucket buffer or as views of the parameter."""
+def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _Staging, own: bool = False) -> list:
+    """(hf_name, tensor) of one megatron tensor, in the bucket buffer or as views of the parameter; `own`:
+    this rank's stage and EP rank hold it, and only they need it (gathered over TP, no PP/EP broadcast)."""
     qkv = _is_qkv(global_name)
     target = staging.scratch if qkv else staging.take
     owner = hc.owner_stage(global_name, spec, groups.pp)
@@ -138,10 +139,10 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
         full = _gather_tp(global_name, source_tensor(local, global_name), groups, staging, target)
     else:
         full = target(hc.mcore_full_shape(global_name, spec, groups.tp))
-    if expert_owner is not None and groups.pp_rank == owner:  # an expert from the EP rank holding it
+    if expert_owner is not None and groups.pp_rank == owner and not own:  # from the EP rank holding it
         full = full.contiguous()
         dist.broadcast(full, group=groups.ep_group, group_src=expert_owner)
-    if groups.pp > 1:
+    if groups.pp > 1 and not own:
         dist.broadcast(full, group=groups.pp_group, group_src=owner)
     parts = hc.shard_parts(global_name, full, spec, 1, 0)
     if not qkv:
@@ -154,9 +155,10 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
     return out
 
 
-def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int, own: list | None = None) -> Iterator[list]:
     """Buckets of (hf_name, full tensor), every rank getting all of them; collective over the replica
-    (and over expert-parallel peers, each expert coming from the rank that holds it).
+    (and over expert-parallel peers, each expert coming from the rank that holds it). With `own` (megatron
+    names, all held by this rank's stage and EP rank): only those, collective over TP only.
 
     A bucket holds whole megatron tensors (q/k/v or gate/up never straddle two buckets) whose full
     sizes sum to <= bucket_bytes; a tensor larger than that is a bucket of its own. The tensors live
@@ -165,7 +167,7 @@ def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int) -> Iterator
     """
     local = global_weight_state(model, spec, groups)
     sample = next(iter(local.values()))
-    names = list(hc.hf_to_mcore_name_map(spec))
+    names = list(hc.hf_to_mcore_name_map(spec)) if own is None else own
     staging = _Staging(names, spec, groups.tp, bucket_bytes, sample.dtype, sample.device)
     bucket, held = [], 0
     for global_name in names:
@@ -173,7 +175,7 @@ def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int) -> Iterator
         if bucket and held + size > bucket_bytes:
             yield bucket
             bucket, held, staging.used = [], 0, 0
-        bucket.extend(_hf_parts(global_name, local, spec, groups, staging))
+        bucket.extend(_hf_parts(global_name, local, spec, groups, staging, own is not None))
         held += size
     if bucket:
         yield bucket
@@ -281,8 +283,7 @@ def _check(names: list, ours: list, received: dict, mode: str) -> None:
             f"this bucket)")
 
 
-def _show(digest) -> str:
-    return str(digest.item()) if isinstance(digest, torch.Tensor) else str(digest)
+_show = lambda digest: str(digest.item()) if isinstance(digest, torch.Tensor) else str(digest)  # noqa: E731
 
 
 def _received(names, received: dict) -> None:

@@ -1,15 +1,27 @@
 """Weights from the trainer ranks to rollout ranks of their own (split placement), verified.
 
-The trainers' DP-0 replica walks the same bucket stream as the colocated HF path (`iter_hf_weights`:
-TP-gathered, PP-broadcast, HF-named, bounded buckets); global rank 0 broadcasts each bucket's bytes,
-packed into one reused buffer, over a `Bridge` to every rollout rank. The bucket plan (names, shapes,
-dtype of every bucket: `bucket_plan`, fixed by the model and the bucket size) goes once, on the first
-sync; each sync then sends only bytes, and one message at its end with the version and the sender's
-digest of every tensor. Each rollout rank digests the bytes it received (checked against the sender's
-at the end: the transport), loads each bucket into its engine, and checks what the engine read back
-from its own parameters against the received slice (the store). One verdict per sync returns to the
-trainers, so a bad handoff stops every rank with the same HandoffError. No rank holds more than one
-bucket beyond its own parameters. `perf/weight_sync_bytes` is the bytes broadcast per sync: every HF
+One stream per pipeline stage and expert-parallel rank of the trainers' DP-0 replica (`weight_streams`):
+the TP ranks of that stage walk the colocated HF path's bucket stream (`iter_hf_weights`, TP-gathered,
+HF-named, bounded buckets) over the tensors their stage holds (`stream_names`: experts from the EP rank
+holding them, everything else from EP rank 0), with no PP or EP broadcast, and their TP-0 rank broadcasts
+each bucket's bytes over a `Bridge` of its own to every rollout rank. The streams run at once; each rollout
+rank takes bucket k of every stream before bucket k+1 of any (its engine loads from one thread, in one order
+on every rollout rank), while the next buckets are already on their way.
+
+The bucket plan of a stream (names, shapes, dtype of every bucket: `bucket_plan`, fixed by the model and
+the bucket size) goes once, on the first sync; each sync then sends only bytes, and one message at its end
+with the version and the sender's digest of every tensor. Each rollout rank digests the bytes it received
+(checked against the sender's at the end: the transport), loads each bucket into its engine, and checks
+what the engine read back from its own parameters against the received slice (the store). One verdict per
+sync returns to every sender and from them to every trainer rank, so a bad handoff stops every rank with
+the same HandoffError; so does a disagreement of the streams' versions.
+
+Double buffering: a sender packs bucket k into buffer k % 2 (once bucket k-2's broadcast from it has ended)
+and starts its broadcast, then gathers bucket k+1 (the TP collectives) and packs it while k is on the bridge:
+at most two buckets of a stream in flight. A sender holds at most two packed buckets beside the stream's staging (one bucket and one
+tensor's scratch, `iter_hf_weights`); a rollout rank holds two buffers of each stream's largest bucket
+(2 x streams buckets), each receiving one bucket while the engine loads from the other.
+`perf/weight_sync_bytes` is the bytes put on the bridges per sync, summed over the senders: every HF
 tensor once (sum of numel x element size).
 
 Placement must not import engines or the trainer: the engine is any object with `load_weights`.
@@ -27,7 +39,11 @@ from hybridrl.models import hf_convert as hc
 from hybridrl.placement.reshard import HandoffError, iter_hf_weights
 
 SENDER = 0
-"""Global rank that sends: DP 0, TP 0, PP 0 of the trainers (iter_hf_weights gives it every tensor)."""
+"""Global rank that speaks for the trainers on the control bridge (DP 0, TP 0, PP 0); it sends stage 0's weights."""
+
+BYTES, MAX_BYTES = "perf/weight_sync_bytes", "perf/weight_sync_sender_max_bytes"
+"""What one sync put on the weight bridges, summed over the senders, and the most one sender put on its bridge
+(the stream that bounds the sync's time)."""
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -44,11 +60,35 @@ class _Buffer:
         return self.t[:numel]
 
 
-def bucket_plan(spec: GPTSpec, bucket_bytes: int, tp: int, dtype: torch.dtype) -> list:
-    """[[(hf_name, shape), ...] per bucket]: the buckets `iter_hf_weights` yields, without any data
-    (whole megatron tensors whose full sizes at training TP sum to <= bucket_bytes, one if larger)."""
+def weight_streams(layouts: list, ep: int) -> list[tuple[int, int, int]]:
+    """(sender's global rank, stage, EP rank) of each weight stream, in stream order; `layouts[r]` is trainer
+    rank r's (dp_rank, cp_rank, pp_rank, ep_rank, tp_rank). The DP-0 replica and its expert-parallel peers
+    (DP ranks < ep) hold every tensor; each (stage, EP rank) sends from its lowest TP-0 rank."""
+    first = {}
+    for rank, (dp, _, pp, ep_rank, tp) in enumerate(layouts):
+        if tp == 0 and dp < ep:
+            first.setdefault((pp, ep_rank), rank)
+    return [(rank, pp, ep_rank) for (pp, ep_rank), rank in sorted(first.items())]
+
+
+def my_stream(streams: list, layouts: list, rank: int):
+    """The stream trainer rank `rank` walks (the TP group of its sender: same DP, CP, stage and EP rank), or None."""
+    return next((s for s in streams if layouts[s[0]][:4] == layouts[rank][:4]), None)
+
+
+def stream_names(spec: GPTSpec, stage: int, ep_rank: int, pp: int, ep: int) -> list[str]:
+    """The megatron names (model order) of one stream: stage `stage`'s tensors, experts of EP rank `ep_rank`
+    and, on EP rank 0, every tensor that is not an expert's."""
+    return [g for g in hc.hf_to_mcore_name_map(spec)
+            if hc.owner_stage(g, spec, pp) == stage and (hc.owner_ep_rank(g, spec, ep) or 0) == ep_rank]
+
+
+def bucket_plan(spec: GPTSpec, bucket_bytes: int, tp: int, dtype: torch.dtype, names=None) -> list:
+    """[[(hf_name, shape), ...] per bucket]: the buckets `iter_hf_weights` yields over `names` (all by
+    default), without any data (whole megatron tensors whose full sizes at training TP sum to <= bucket_bytes,
+    one if larger)."""
     shapes, plan, bucket, held = hc.hf_shapes(spec), [], [], 0
-    for global_name in hc.hf_to_mcore_name_map(spec):
+    for global_name in hc.hf_to_mcore_name_map(spec) if names is None else names:
         size = torch.Size(hc.mcore_full_shape(global_name, spec, tp)).numel() * dtype.itemsize
         if bucket and held + size > bucket_bytes:
             plan.append(bucket)
@@ -58,87 +98,145 @@ def bucket_plan(spec: GPTSpec, bucket_bytes: int, tp: int, dtype: torch.dtype) -
     return plan + ([bucket] if bucket else [])
 
 
-class WeightSender:
-    """Trainer side: every rank of the DP-0 replica calls `send` (the bucket stream is collective over
-    it, and over its expert-parallel peers, DP ranks 1..ep-1, which walk it too); other DP ranks call it
-    too and return at once. `bridge` is None except on the sender."""
+def _numel(layout) -> int:
+    return sum(torch.Size(s).numel() for _, s in layout)
 
-    def __init__(self, bridge, groups, spec: GPTSpec, bucket_mb: float, verify: str):
+
+class WeightSender:
+    """Trainer side: every trainer rank calls `send` (SPMD). The TP group of each stream's sender walks that
+    stream (`stream`: (sender, stage, EP rank), None elsewhere: those return at once); `bridge` is the
+    stream's on its sender, else None."""
+
+    def __init__(self, bridge, stream, groups, spec: GPTSpec, bucket_mb: float, verify: str):
         self.bridge, self.groups, self.spec = bridge, groups, spec
         self.bucket_bytes, self.verify = int(bucket_mb * 2 ** 20), verify
-        self.buffer = _Buffer()
+        self.names = None if stream is None else stream_names(spec, stream[1], stream[2], groups.pp, groups.ep)
+        self.buffers = (_Buffer(), _Buffer())
         self.plan = None
         """The bucket plan once sent (first sync): later syncs send bytes only."""
 
     def send(self, model, version: int) -> dict:
-        start, sent, buckets, digests = time.perf_counter(), 0, 0, []
-        if self.groups.dp_rank < self.groups.ep:  # DP 0 and its expert-parallel peers (which hold the other experts)
-            for bucket in iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes):
-                if self.bridge is not None:
-                    sent += self._send_bucket(buckets, bucket, digests)
-                buckets += 1
-        verdict = [None]
-        if self.bridge is not None:
-            self.bridge.broadcast_object({"version": version, "digests": digests if self.verify != "off" else None},
-                                         SENDER)
-            verdict = [self.bridge.broadcast_object(None, self.bridge.members[1])]
-        dist.broadcast_object_list(verdict, src=0)  # every trainer rank raises the same error
-        if verdict[0]:
-            raise HandoffError(verdict[0])
-        return {"perf/weight_sync_s": time.perf_counter() - start, "perf/weight_sync_bytes": float(sent),
-                "perf/weight_sync_buckets": float(buckets)}
+        start = time.perf_counter()
+        sent, buckets, verdict = self._walk(model, version) if self.names is not None else (0, 0, None)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (verdict, sent, buckets))  # every trainer rank raises the same error
+        verdict = next((v for v, _, _ in parts if v), None)
+        if verdict:
+            raise HandoffError(verdict)
+        return {"perf/weight_sync_s": time.perf_counter() - start, BYTES: float(sum(p[1] for p in parts)),
+                MAX_BYTES: float(max(p[1] for p in parts)), "perf/weight_sync_buckets": float(sum(p[2] for p in parts))}
 
-    def _send_bucket(self, index: int, bucket, digests: list) -> int:
+    def _walk(self, model, version: int) -> tuple:
+        """(bytes sent, buckets sent, the rollout ranks' verdict) on the sender; (0, 0, None) on its TP peers."""
+        sent, buckets, digests, in_flight = 0, 0, [], [None, None]
+        stream = iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes, self.names) if self.names else ()
+        for bucket in stream:
+            if self.bridge is not None:
+                sent += self._send_bucket(buckets, bucket, digests, in_flight)
+            buckets += 1
+        if self.bridge is None:
+            return 0, 0, None
+        for wait in in_flight:
+            if wait is not None:
+                wait()
+        if self.plan is None:  # a stream without tensors still announces its (empty) plan
+            self._send_plan(torch.float32)
+        src, leader = self.bridge.members[:2]
+        digests = [_host(d) for d in digests] if self.verify != "off" else None
+        self.bridge.broadcast_object({"version": version, "digests": digests}, src)
+        return sent, buckets, self.bridge.broadcast_object(None, leader)
+
+    def _send_plan(self, dtype) -> None:
+        self.plan = bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, dtype, self.names)
+        self.bridge.broadcast_object({"plan": self.plan, "dtype": str(dtype)}, self.bridge.members[0])
+
+    def _send_bucket(self, index: int, bucket, digests: list, in_flight: list) -> int:
+        """Pack bucket `index` into its buffer (once bucket index-2 has left it) and start its broadcast."""
         if self.plan is None:  # first sync: the plan, once, before any bytes
-            self.plan = bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, bucket[0][1].dtype)
-            self.bridge.broadcast_object({"plan": self.plan, "dtype": str(bucket[0][1].dtype)}, SENDER)
-        if [(n, tuple(t.shape)) for n, t in bucket] != self.plan[index]:
+            self._send_plan(bucket[0][1].dtype)
+        if index >= len(self.plan) or [(n, tuple(t.shape)) for n, t in bucket] != self.plan[index]:
+            planned = [n for n, _ in self.plan[index]][:3] if index < len(self.plan) else "no bucket"
             raise RuntimeError(f"bucket {index} of the weight stream is not the one planned: "
-                               f"{[n for n, _ in bucket][:3]} vs {[n for n, _ in self.plan[index]][:3]}")
+                               f"{[n for n, _ in bucket][:3]} vs {planned}")
         if self.verify != "off":
-            digests += [_host(weight_digest(t, self.verify)) for _, t in bucket]
-        flat = self.buffer.get(sum(t.numel() for _, t in bucket), bucket[0][1].dtype, self.bridge.device)
+            digests += [weight_digest(t, self.verify) for _, t in bucket]  # to the host at the end: no sync here
+        slot = index % 2
+        if in_flight[slot] is not None:
+            in_flight[slot]()
+        flat = self.buffers[slot].get(sum(t.numel() for _, t in bucket), bucket[0][1].dtype, self.bridge.device)
         offset = 0
         for _, t in bucket:
             flat[offset:offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
-        self.bridge.broadcast(flat, SENDER)
+        in_flight[slot] = self.bridge.start_broadcast(flat, self.bridge.members[0])
         return flat.nbytes
 
 
-class WeightReceiver:
-    """Rollout side: every rollout rank calls `receive` when the trainers send; returns the version."""
+class _Incoming:
+    """One stream on a rollout rank: its plan and two buffers, each receiving one bucket at a time."""
 
-    def __init__(self, bridge, verify: str):
-        self.bridge, self.verify = bridge, verify
-        self.buffer = _Buffer()
-        self.plan = self.dtype = None
+    def __init__(self, bridge):
+        self.bridge, self.plan, self.dtype = bridge, None, None
+        self.buffers, self.posted = (_Buffer(), _Buffer()), {}
+
+    def start(self) -> None:
+        if self.plan is None:
+            first = self.bridge.broadcast_object(None, self.bridge.members[0])
+            self.plan, self.dtype = first["plan"], _DTYPES[first["dtype"]]
+        self.post(0)
+        self.post(1)
+
+    def post(self, k: int) -> None:
+        """Start receiving bucket k into buffer k % 2 (free: bucket k-2 was loaded from it)."""
+        if k < len(self.plan):
+            flat = self.buffers[k % 2].get(_numel(self.plan[k]), self.dtype, self.bridge.device)
+            self.posted[k] = (flat, self.bridge.start_broadcast(flat, self.bridge.members[0]))
+
+    def take(self, k: int) -> list:
+        """Bucket k as (hf_name, view of its buffer), once received."""
+        flat, wait = self.posted.pop(k)
+        wait()
+        bucket, offset = [], 0
+        for name, shape in self.plan[k]:
+            n = torch.Size(shape).numel()
+            bucket.append((name, flat[offset:offset + n].view(shape)))
+            offset += n
+        return bucket
+
+
+class WeightReceiver:
+    """Rollout side: every rollout rank calls `receive` when the trainers send; returns the version.
+    `bridges`: one per stream, in stream order."""
+
+    def __init__(self, bridges: list, verify: str):
+        self.streams, self.verify = [_Incoming(b) for b in bridges], verify
 
     def receive(self, engine) -> int:
-        if self.plan is None:
-            first = self.bridge.broadcast_object(None, SENDER)
-            self.plan, self.dtype = first["plan"], _DTYPES[first["dtype"]]
-        errors, received = [], []
-        for layout in self.plan:
-            flat = self.buffer.get(sum(torch.Size(s).numel() for _, s in layout), self.dtype, self.bridge.device)
-            self.bridge.broadcast(flat, SENDER)
-            bucket, offset = [], 0
-            for name, shape in layout:
-                n = torch.Size(shape).numel()
-                bucket.append((name, flat[offset:offset + n].view(shape)))
-                offset += n
-            errors += self._load(engine, bucket, received)
-        meta = self.bridge.broadcast_object(None, SENDER)
-        if meta["digests"] is not None:
-            names = [n for layout in self.plan for n, _ in layout]
-            errors += [f"rank {dist.get_rank()} of the rollout world received {name!r} with a different "
-                       f"{self.verify} than was sent" for name, ours, sent in zip(names, received, meta["digests"])
-                       if not _same(ours, sent)]
+        for s in self.streams:
+            s.start()
+        errors, received = [], [[] for _ in self.streams]
+        for k in range(max((len(s.plan) for s in self.streams), default=0)):
+            for s, got in zip(self.streams, received):  # bucket k of every stream, then k+1: one order everywhere
+                if k < len(s.plan):
+                    errors += self._load(engine, s.take(k), got)
+                    s.post(k + 2)
+        metas = [s.bridge.broadcast_object(None, s.bridge.members[0]) for s in self.streams]
+        for s, got, meta in zip(self.streams, received, metas):
+            if meta["digests"] is not None:
+                names = [n for layout in s.plan for n, _ in layout]
+                errors += [f"rank {dist.get_rank()} of the rollout world received {name!r} with a different "
+                           f"{self.verify} than was sent" for name, ours, sent in zip(names, got, meta["digests"])
+                           if not _same(ours, sent)]
+        versions = sorted({int(m["version"]) for m in metas})
+        if len(versions) > 1:
+            errors.append(f"the weight streams of one sync carry different versions {versions}: the trainer "
+                          "ranks did not send the same update")
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, errors[:3])  # the rollout world: one verdict for all of it
         first = next((e for part in gathered for e in part), None)
-        self.bridge.broadcast_object(first, self.bridge.members[1])
-        return int(meta["version"])
+        for s in self.streams:
+            s.bridge.broadcast_object(first, s.bridge.members[1])
+        return versions[0]
 
     def _load(self, engine, bucket, received: list) -> list:
         """Digests of the bytes received (appended to `received`, checked against the sender's at the end

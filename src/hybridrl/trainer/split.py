@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld
-from hybridrl.placement.transport import SENDER, WeightReceiver, WeightSender
+from hybridrl.placement.reshard import HandoffError
+from hybridrl.placement.transport import (BYTES, MAX_BYTES, SENDER, WeightReceiver, WeightSender, my_stream,
+                                          weight_streams)
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
 from hybridrl.trainer.split_partial import PARTIAL_KEY, _PartialWeights
 from hybridrl.trainer.streamed import hold_for_pass
@@ -44,7 +46,7 @@ def talking_to(role: str, ranks: list, phase: str):
     who and when."""
     try:
         yield
-    except PeerLostError:
+    except (PeerLostError, HandoffError):  # a bad handoff is the verdict of live peers, not a lost one
         raise
     except (RuntimeError, ConnectionError) as err:  # gloo/nccl report a dead peer as RuntimeError subclasses
         dead = getattr(err, "ranks", None)  # liveness.PeerDied: the silent ranks themselves
@@ -60,12 +62,12 @@ def control_bridge(world: SplitWorld) -> Bridge:
     return Bridge(world, "control", world.ranks_of("train") + world.rollout_ranks)
 
 
-def weights_bridge(world: SplitWorld) -> Bridge | None:
-    """{trainer rank 0} + the rollout ranks: nccl on GPU, gloo on CPU (None on other trainers)."""
-    if world.rank != SENDER and world.role == "train":
-        return None
+def weights_bridges(world: SplitWorld, senders: list) -> list[Bridge]:
+    """One bridge per weight stream, {its sender} + the rollout ranks (nccl on GPU, gloo on CPU): every one on
+    a rollout rank, in stream order; the one it sends on (or none) on a trainer rank."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return Bridge(world, "weights", [SENDER] + world.rollout_ranks, backend)
+    return [Bridge(world, f"weights/{i}", [s] + world.rollout_ranks, backend) for i, s in enumerate(senders)
+            if world.rank in (s, *world.rollout_ranks)]
 
 
 class RolloutClient:
@@ -79,8 +81,6 @@ class RolloutClient:
         r = cfg.rollout
         with self._peer("start-up"):
             self.control = control_bridge(world)
-            self.sender = WeightSender(weights_bridge(world), groups, spec, r.update_weights_bucket_mb,
-                                       r.verify_weights)
         self.owed = None
         """The request whose answer has not been received yet: (rows per DP rank, key)."""
         self.answer = ([], [])
@@ -95,10 +95,19 @@ class RolloutClient:
         self.rows_bytes = {}
         """step -> bytes of row tensors this rank received for that step's batch (perf/rows_bytes)."""
         self.sync_bytes = {}
-        """version -> bytes this rank sent of those weights (perf/weight_sync_bytes; only SENDER sends)."""
-        dp_of = [None] * dist.get_world_size()
-        dist.all_gather_object(dp_of, groups.dp_rank)
-        self._send({"kind": "hello", "spec": spec_to_dict(spec), "dp_of": dp_of})
+        """version -> {perf/weight_sync_bytes: what the senders put on the weight bridges for those weights,
+        perf/weight_sync_sender_max_bytes: the most one of them did}."""
+        layouts = [None] * dist.get_world_size()
+        g = groups
+        dist.all_gather_object(layouts, (g.dp_rank, g.cp_rank, g.pp_rank, g.ep_rank, g.tp_rank))
+        streams = weight_streams(layouts, groups.ep)
+        senders = [s for s, _, _ in streams]
+        self._send({"kind": "hello", "spec": spec_to_dict(spec), "dp_of": [x[0] for x in layouts],
+                    "senders": senders})
+        with self._peer("start-up"):
+            mine = weights_bridges(world, senders)
+            self.sender = WeightSender(mine[0] if mine else None, my_stream(streams, layouts, world.rank), groups,
+                                       spec, r.update_weights_bucket_mb, r.verify_weights)
 
     def _send(self, msg) -> None:
         with self._peer(f"the {msg['kind'] if msg else 'next'} request" if self.world.rank == SENDER else "a request"):
@@ -167,7 +176,9 @@ class RolloutClient:
         with self._peer("the weight sync"):
             report = self.sender.send(model, version)
         # booked under the step whose update these weights are (split_perf), not logged again with this step
-        self.sync_bytes[version] = self.sync_bytes.get(version, 0) + report.pop("perf/weight_sync_bytes")
+        booked = self.sync_bytes.setdefault(version, {BYTES: 0.0, MAX_BYTES: 0.0})
+        booked[BYTES] += report.pop(BYTES)
+        booked[MAX_BYTES] = max(booked[MAX_BYTES], report.pop(MAX_BYTES))
         return report
 
     def claim_generation(self) -> bool:
@@ -212,8 +223,8 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     trainers = world.ranks_of("train")
     with talking_to("trainer", trainers, "start-up"):  # the trainers may build their models for long
         control = control_bridge(world)
-        receiver = WeightReceiver(weights_bridge(world), cfg.rollout.verify_weights)
         hello = control.broadcast_object(None, SENDER)
+        receiver = WeightReceiver(weights_bridges(world, hello["senders"]), cfg.rollout.verify_weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)

@@ -5,9 +5,11 @@ from the bridges, the bytes that crossed between roles (`perf/rows_bytes`, `perf
 `perf/rows_bytes` of step k: the row tensors of step k's batch that the trainer ranks received from the
 rollout leader (each rank its DP group's rows), plus the batch columns that a critic of its own received:
 with B rows, critic DP d and c critic ranks, c * B / d rows of each column crossed (each critic rank the
-rows of its critic DP group; TP/PP peers receive the same ones). `perf/weight_sync_bytes` of step k: the bytes of update k's weights that the
-sending rank put on the weights bridge (each rollout rank receives them once); at staleness 1 they leave
-during step k+1, so they are logged with the step's late figures.
+rows of its critic DP group; TP/PP peers receive the same ones). `perf/weight_sync_bytes` of step k: the
+bytes of update k's weights that the sending ranks (one per stage and EP rank) put on their weight bridges
+(each rollout rank receives them once), 0 when none went out; `perf/weight_sync_sender_max_bytes` the most
+one sender put on its bridge. At staleness 1 they leave during step k+1, so they are logged with the step's
+late figures.
 
 Compute is what `hybridrl.timeline.is_compute` says: waits (for rows, for the critic ranks, for a request)
 and weight transfers are not. A step's window runs from its start to its end on the trainer rank; the
@@ -72,8 +74,8 @@ class StepShares:
         if self.open is None:
             return []
         (step, window), self.open = self.open, None
-        sent = float(self.client.sync_bytes.pop(step, 0))
-        return [(step, dict(window_shares(self.timeline, self.client.spans, window), **{"perf/weight_sync_bytes": sent}))]
+        sent = self.client.sync_bytes.pop(step, {"perf/weight_sync_bytes": 0.0})
+        return [(step, dict(window_shares(self.timeline, self.client.spans, window), **sent))]
 
     def rows_bytes(self, step: int, critic, device) -> dict:
         """perf/rows_bytes of `step` (collective over the trainer ranks)."""
