@@ -204,6 +204,11 @@ def test_one_step_off_policy(grpo_colocated, grpo_one_step_off):
     assert min(two["rollout/logprob_diff_mean"][s] for s in later) > 1e-3
     overlap = two["perf/overlap"]  # each step's, logged under it once later answers bring the rollout's spans
     assert set(overlap) == {1, *later} and all(0.0 <= v <= 1.0 for v in overlap.values()) and max(overlap.values()) > 0
+    # update k's weights leave once batch k+1 is in (during step k+1): their time and buckets are logged under
+    # step k with its bytes (they were dropped: a deferred send's figures went nowhere); update 5's are superseded
+    # by the last update's, sent at once and logged with step 6
+    timed, buckets = two["perf/weight_sync_s"], two["perf/weight_sync_buckets"]
+    assert set(timed) == {1, 2, 3, 4, 6} and all(t > 0 and buckets[s] >= 1 for s, t in timed.items()), (timed, buckets)
 
 
 BAD = [

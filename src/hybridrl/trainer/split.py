@@ -386,7 +386,7 @@ class Pipeline:
             return
         if self.owed_key != key:
             self.drain()
-            self.flush()
+            self._flush_deferred()
             self.client.submit(ids, seeds, sampling, key)
         self.owed_key = None
         yield from self.client.receive()
@@ -396,7 +396,7 @@ class Pipeline:
         if self.staleness == 0:
             return
         self.drain()
-        self.flush()
+        self._flush_deferred()
         self.client.submit(ids, seeds, sampling, key)
         self.owed_key = key
 
@@ -422,6 +422,14 @@ class Pipeline:
         self.pending = None
         _onload(onload)
         return self.client.sync(model, version)
+
+    def _flush_deferred(self) -> None:
+        """Send weights that waited for the batch in flight; their figures (perf/weight_sync_s, ..._buckets)
+        are booked with their bytes, under the step of their update (split_perf's late figures)."""
+        if self.pending is not None:
+            version = self.pending[1]
+            report = self.flush()  # books the bytes first
+            self.client.sync_bytes.setdefault(version, {}).update(report)
 
     def drain(self) -> None:
         """Receive the answer in flight (kept for its step)."""
