@@ -77,6 +77,13 @@ class Timeline:
         self.spans.clear()
         self.marks.clear()
 
+    def take(self) -> List[Tuple[int, str, float, float]]:
+        """The spans since the last take as (rank, phase, start, end), for another rank to place on this
+        rank's track; the timeline is cleared."""
+        spans = [(self.rank, *span) for span in self.spans]
+        self.clear()
+        return spans
+
     def trim(self, before: float) -> None:
         """Forget spans that ended and marks made before `before` (this clock's seconds): a run that keeps
         a timeline only to measure its latest step must not grow it step after step."""

@@ -263,14 +263,8 @@ class _Server:
         self.leader = world.rank == world.rollout_leader
         self.answers = 0
 
-    def _take_spans(self) -> list:
-        """This rank's spans since the last call, as (global rank, phase, start, end)."""
-        spans = [(self.world.rank, *span) for span in self.timeline.spans]
-        self.timeline.clear()
-        return spans
-
     def gather_spans(self):
-        parts = _to_leader(self._take_spans())
+        parts = to_leader(self.timeline.take())
         return [x for part in parts for x in part] if self.leader else None
 
     def answer(self, msg, version: int, partial=None) -> int:
@@ -303,7 +297,7 @@ class _Server:
                     out = self.engine.generate(prompts[a:b], sampling, seeds[a:b])
             if partial is not None and hi >= len(prompts):
                 partial.end()
-            parts = _to_leader(((a, b), out if self.groups.tp_rank == 0 else None, self._take_spans()))
+            parts = to_leader(((a, b), out if self.groups.tp_rank == 0 else None, self.timeline.take()))
             if self.leader:
                 outs = [o for (x, y), o, _ in sorted(parts, key=lambda p: p[0][0]) if o is not None and y > x]
                 out = join_outputs(outs, self.engine.pad_id) if outs else out
@@ -332,8 +326,9 @@ class _Server:
                 return
 
 
-def _to_leader(obj) -> list | None:
-    """`obj` of every rollout rank, in rank order, on the rollout leader (None elsewhere)."""
+def to_leader(obj) -> list | None:
+    """`obj` of every rank of this role's world (the rollout or the critic ranks), in rank order, on the role's
+    first rank (None elsewhere)."""
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, parts, dst=0)
     return parts
@@ -428,8 +423,8 @@ class Pipeline:
         are booked with their bytes, under the step of their update (split_perf's late figures)."""
         if self.pending is not None:
             version = self.pending[1]
-            report = self.flush()  # books the bytes first
-            self.client.sync_bytes.setdefault(version, {}).update(report)
+            report = self.flush()  # books the bytes under the version
+            self.client.sync_bytes[version].update(report)
 
     def drain(self) -> None:
         """Receive the answer in flight (kept for its step)."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hybridrl.config import Config
 from hybridrl.parallel import liveness
 from hybridrl.parallel.split_world import Bridge, SplitWorld
-from hybridrl.trainer.split import talking_to
+from hybridrl.trainer.split import talking_to, to_leader
 from hybridrl.trainer.rollout_rows import tensor_bytes
 from hybridrl.trainer.step_batch import dp_rows, gather_dp, local_slice
 
@@ -204,9 +204,7 @@ def _gather_spans(timeline) -> list:
     first rank (collective over the critic ranks when the timeline is on; [] when it is off)."""
     if not timeline.enabled:
         return []
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object([(timeline.rank, *span) for span in timeline.spans], parts, dst=0)
-    timeline.clear()
+    parts = to_leader(timeline.take())
     return [x for part in parts for x in part] if parts is not None else []
 
 
