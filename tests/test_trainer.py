@@ -64,13 +64,17 @@ def _torchrun(tmp, nproc, extra, timeout=300, port_tries=2, script=None, env=Non
     """train_ppo.py (or `script`, which runs it) under torchrun, with `env` added to the environment; once
     more on another port when another process took the free one first."""
     script = script or os.path.join(ROOT, "scripts", "train_ppo.py")
+    # a hung phase ends the run before the timeout, with every thread's stack in the failure's message
+    watchdog = [f"trainer.hang_timeout_s={max(timeout - 60, 30)}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           script, "--config", TINY] + _overrides(tmp, extra)
+           script, "--config", TINY] + _overrides(tmp, watchdog + list(extra))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     if proc.returncode != 0 and port_tries > 1 and "EADDRINUSE" in proc.stderr:
         return _torchrun(tmp, nproc, extra, timeout, port_tries - 1, script, env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    hangs = "".join(open(f).read()[-4000:] for f in sorted(glob.glob(os.path.join(tmp, "tb", "**", "hang_rank*.txt"),
+                                                                     recursive=True)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + hangs
     return proc
 
 

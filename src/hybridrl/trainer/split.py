@@ -27,7 +27,7 @@ from hybridrl.placement.reshard import HandoffError
 from hybridrl.placement.transport import (BYTES, MAX_BYTES, SENDER, WeightReceiver, WeightSender, my_stream,
                                           weight_streams)
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
-from hybridrl.trainer.split_partial import PARTIAL_KEY, _PartialWeights
+from hybridrl.trainer.split_partial import _PartialWeights, claim_answer, queue_answer
 from hybridrl.trainer.streamed import hold_for_pass
 from hybridrl.trainer.rollout_rows import (full_rows, group_messages, join_outputs, merge_messages, output_rows,
                                            row_versions, tensor_bytes)
@@ -131,6 +131,8 @@ class RolloutClient:
         dist.all_gather_object(parts, (prompt_ids, seeds, key), group=self.groups.dp_group)
         counts = [len(p[0]) for p in parts]
         self.answer = ([i for p in parts for i in p[2][1]], [])
+        if self.cfg.async_training.partial_rollout and self.world.rank == SENDER:
+            queue_answer(self.world.store)
         self._send({"kind": "generate", "prompts": [x for p in parts for x in p[0]],
                     "seeds": [s for p in parts for s in p[1]], "sampling": sampling,
                     "stream": self.cfg.async_training.stream_prompts, "counts": counts})
@@ -182,11 +184,11 @@ class RolloutClient:
         return report
 
     def claim_generation(self) -> bool:
-        """Partial rollout: whether the answer in flight is still being generated, in which case the rollout
-        ranks now take the next weights between two decode steps (agreed by all trainer ranks)."""
+        """Partial rollout: whether the answer in flight is still to come (queued, or being generated), in which
+        case the rollout ranks now take the next weights between two decode steps (agreed by all trainer ranks)."""
         box = [None]
         if self.world.rank == SENDER:
-            box[0] = self.world.store.compare_set(PARTIAL_KEY, "generating", "weights") == b"weights"
+            box[0] = claim_answer(self.world.store)
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
