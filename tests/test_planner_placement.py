@@ -104,3 +104,31 @@ def test_plan_layout_auto_placement_script():
     assert any(line.split()[1:2] == ["colocated"] for line in lines if line.strip()[:1].isdigit())
     assert any(line.split()[1:2] == ["split"] for line in lines if line.strip()[:1].isdigit())
     assert "placement.mode=split placement.rollout_world_size=" in out.stdout
+
+
+def test_a_rollout_group_counts_the_buffers_its_weights_arrive_in():
+    """Each rollout rank holds two receive buffers per weight stream (one stream per training pipeline stage),
+    each as large as the stream's largest bucket: for Qwen2-7B the embedding (152064 padded rows x 3584, bf16)
+    is larger than the 64 MiB bucket. A device with room for the engine, its KV cache and the buffers of one
+    stream takes the rollout at PP 1 and refuses it at PP 2 (four buffers)."""
+    import dataclasses
+
+    from hybridrl.planner import memory as mem
+    from hybridrl.planner.placement import RUNTIME_OVERHEAD_GIB, config_memory_fits
+
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen2_7b.yaml"))
+    arch = mem.arch_from_model_config(cfg.model, 0)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kv = mem.kv_bytes_per_token(arch, 1, 1, "bfloat16") * seq
+    engine = mem.total_params(arch) * 2 + RUNTIME_OVERHEAD_GIB * 2 ** 30 + kv
+    embedding = 152064 * 3584 * 2
+    assert mem.largest_tensor_params(arch, 1) * 2 == embedding
+    assert cfg.rollout.update_weights_bucket_mb * 2 ** 20 < embedding
+
+    def rollout_fits(pp, gib):
+        parallel = dataclasses.replace(cfg.parallel, pipeline_model_parallel_size=pp, gpu_memory_gb=gib)
+        return config_memory_fits(dataclasses.replace(cfg, parallel=parallel))("rollout", 1, 1, 1)
+
+    room = (engine + 3 * embedding) / 2 ** 30  # two buffers fit, four do not
+    assert rollout_fits(1, room) and not rollout_fits(2, room)
+    assert not rollout_fits(1, (engine + embedding) / 2 ** 30)  # the engine alone fits, its two buffers do not

@@ -260,17 +260,24 @@ def config_memory_fits(cfg: Config, vocab_size: int = 0) -> MemoryFits:
     """`fits(role, devices, tp, pp)` from the planner's memory estimate of `cfg` at those sizes:
     colocated is plan.estimate's verdict; a training group counts only its own roles' states in its
     phases (no engine, and no critic on an actor group with a critic group of its own); a rollout
-    engine needs its weights at TP, the runtime overhead and one full sequence's KV cache."""
+    engine needs its weights at TP, the runtime overhead, one full sequence's KV cache and the buffers its
+    weights arrive in: two of each weight stream's largest bucket (one stream per training pipeline stage and
+    expert-parallel rank; a bucket holds whole tensors up to the bucket size, or one larger tensor)."""
     gpu = cfg.parallel.gpu_memory_gb * GIB
     arch = mem.arch_from_model_config(cfg.model, vocab_size)
     dtype, seq = cfg.model.params_dtype, cfg.data.max_prompt_length + cfg.data.max_response_length
+    streams = cfg.parallel.pipeline_model_parallel_size * cfg.parallel.expert_model_parallel_size
+    weights = mem.total_params(arch) * mem.BYTES_PER_ELEMENT[dtype]
+    bucket = max(cfg.rollout.update_weights_bucket_mb * 2 ** 20,
+                 mem.largest_tensor_params(arch, 1) * mem.BYTES_PER_ELEMENT[dtype])
+    receive = 2 * streams * min(bucket, weights)
 
     def fits(role: str, devices: int, tp: int, pp: int) -> bool:
         if role == "rollout":
             if arch.num_attention_heads % tp or arch.num_key_value_heads % tp:
                 return False
-            engine = mem.total_params(arch) * mem.BYTES_PER_ELEMENT[dtype] / tp
-            return engine + RUNTIME_OVERHEAD_GIB * GIB + mem.kv_bytes_per_token(arch, tp, 1, dtype) * seq <= gpu
+            kv = mem.kv_bytes_per_token(arch, tp, 1, dtype) * seq
+            return weights / tp + RUNTIME_OVERHEAD_GIB * GIB + kv + receive <= gpu
         rollout_tp = cfg.rollout.tensor_model_parallel_size if role == "colocated" else 1
         parallel = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         sized = dataclasses.replace(cfg, parallel=parallel,
