@@ -35,6 +35,24 @@ def bytes_by_stream(hf: dict, num_layers: int, pp: int, num_experts: int = 0, ep
     return out
 
 
+def shard_bytes_by_stream(hf: dict, num_layers: int, pp: int, tp: int) -> dict:
+    """{(stage, TP rank): bytes of the megatron shards its weight stream carries} (shard to shard: trainer TP =
+    rollout TP), by hand from the HF tensors: the embedding and the head padded to a multiple of 128 x tp rows,
+    norms whole on every TP rank, every other tensor split evenly over TP."""
+    out = {}
+    for (stage, _), _ in bytes_by_stream(hf, num_layers, pp).items():
+        for rank in range(tp):
+            out[(stage, rank)] = 0
+    for name, t in hf.items():
+        (stage, _), = bytes_by_stream({name: t}, num_layers, pp)
+        size = t.numel() * t.element_size()
+        if "embed_tokens" in name or name == "lm_head.weight":
+            size = -(-t.shape[0] // (128 * tp)) * 128 * tp * t.shape[1] * t.element_size()
+        for rank in range(tp):
+            out[(stage, rank)] += size if "norm" in name else size // tp
+    return out
+
+
 def _output(lengths, width=6):
     """Rows whose response i holds lengths[i] real tokens (ids 10 + column), right-padded to `width`."""
     rows = len(lengths)
@@ -188,7 +206,8 @@ def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
     """Trainers at PP 2 (2 ranks) and one rollout rank, synchronous, 2 steps: each stage's DP-0/TP-0 rank sends
     its own stage's tensors over a bridge of its own, both at once, verified by the rollout rank (fingerprints
     of what it received and of what its engine stored), in buckets of 20 KiB: many per stream, two in flight.
-    Per update the two streams carry every HF tensor once
+    At TP 1 on both sides they go shard to shard: megatron tensors as the engine holds them (the vocabulary
+    padded to 128 rows). Per update the two streams carry every tensor once
     and the larger one exactly the larger stage's bytes by hand (stage 1: layer 1, the norm and the head; with
     the total that pins both: rank 0 no longer sends stage 1's tensors; that no stage receives another's is
     test_reshard's stage-stream test). Batch 2, generated with update 1's weights, agrees with the trainer's
@@ -196,7 +215,7 @@ def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
     _torchrun(tmp_path, 3, PP2_SPLIT + ["trainer.total_training_steps=2", "rollout.update_weights_bucket_mb=0.02",
                                         f"trainer.export_hf_dir={tmp_path}/hf"])
     scalars = read_scalars(tmp_path)
-    streams = bytes_by_stream(_hf_weights(tmp_path / "hf"), 2, 2)
+    streams = shard_bytes_by_stream(_hf_weights(tmp_path / "hf"), 2, 2, 1)
     assert set(streams) == {(0, 0), (1, 0)} and streams[(1, 0)] > streams[(0, 0)], streams
     assert scalars["perf/weight_sync_bytes"] == {1: sum(streams.values()), 2: sum(streams.values())}
     assert scalars["perf/weight_sync_sender_max_bytes"] == {1: streams[(1, 0)], 2: streams[(1, 0)]}
@@ -207,10 +226,13 @@ def test_each_pipeline_stage_sends_its_own_weights(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path):
+@pytest.mark.parametrize("rollout_tp,verdict", [(1, "differs from what was sent"),  # shard to shard
+                                                (2, "differs from what it received")])  # HF tensors, resharded
+def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path, rollout_tp, verdict):
     """PP 2 in split placement, one rank a process (as srun starts them), the engine storing one tensor of stage 1
     wrongly (tests/corrupt_store.py): the first sync stops both trainer ranks, each with the same one `error:`
-    line naming that tensor; stage 0's sender learns it from the rollout ranks' verdict like stage 1's."""
+    line naming that tensor; stage 0's sender learns it from the rollout ranks' verdict like stage 1's. At
+    rollout TP 1 the shards go as they are, at rollout TP 2 (two rollout ranks) as HF tensors."""
     from dist_helper import free_port
 
     bad = "model.layers.1.mlp.down_proj.weight"
@@ -218,10 +240,14 @@ def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                CORRUPT_TENSOR=bad)
     os.makedirs(tmp_path, exist_ok=True)
-    logs = [tmp_path / f"out{r}.log" for r in range(3)]
-    procs = [subprocess.Popen([sys.executable] + script + _overrides(tmp_path, PP2_SPLIT), cwd=ROOT,
+    world = 2 + rollout_tp
+    layout = PP2_SPLIT + [f"placement.rollout_world_size={rollout_tp}",
+                          f"rollout.tensor_model_parallel_size={rollout_tp}"]
+    logs = [tmp_path / f"out{r}.log" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable] + script + _overrides(tmp_path, layout), cwd=ROOT,
                               stdout=open(logs[r], "w"), stderr=subprocess.STDOUT,
-                              env=dict(env, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r))) for r in range(3)]
+                              env=dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r)))
+             for r in range(world)]
     try:
         codes = [p.wait(timeout=240) for p in procs[:2]]
     finally:
@@ -231,4 +257,4 @@ def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path):
     assert codes[0] != 0 and codes[1] != 0, codes
     assert len(errors[0]) == 1 and errors[0] == errors[1], errors
     assert errors[0][0].startswith(f"error: engine's stored copy of '{bad}'"), errors  # not "rollout rank 2 died"
-    assert "differs from what it received" in errors[0][0], errors
+    assert verdict in errors[0][0], errors

@@ -193,6 +193,29 @@ def test_split_training_tp2_with_two_engine_replicas(grpo_colocated, tmp_path):
 
 
 @pytest.mark.slow
+def test_equal_tp_sends_shard_to_shard(grpo_colocated, tmp_path):
+    """2 trainers at TP 2 and one engine at rollout TP 2 (2 + 2 ranks): each trainer TP rank sends its own
+    megatron shards to the rollout rank of its TP rank, which loads them as they are (no TP gather, no HF
+    tensors): per update the two streams carry the shards' bytes by hand (vocabulary padded, norms on both
+    ranks), the larger of them under 60% of the HF stream that carried every tensor. The run is colocated's:
+    batch 2 comes from update 1's weights, with the engine's log-probs as far from the trainer's as there."""
+    _torchrun(tmp_path, 4, GRPO + ["trainer.total_training_steps=2", "parallel.tensor_model_parallel_size=2",
+                                   "placement.mode=split", "placement.rollout_world_size=2",
+                                   "rollout.tensor_model_parallel_size=2", f"trainer.export_hf_dir={tmp_path}/hf"])
+    from test_split_data_paths import shard_bytes_by_stream
+
+    scalars = read_scalars(tmp_path)
+    _assert_same_run(read_scalars(grpo_colocated), scalars, (1, 2))
+    hf = _hf_weights(tmp_path / "hf")
+    streams = shard_bytes_by_stream(hf, 2, 1, 2)
+    assert set(streams) == {(0, 0), (0, 1)}
+    total, largest = sum(streams.values()), max(streams.values())
+    assert scalars["perf/weight_sync_bytes"] == {1: total, 2: total}
+    assert scalars["perf/weight_sync_sender_max_bytes"] == {1: largest, 2: largest}
+    assert largest < 0.6 * sum(t.numel() * t.element_size() for t in hf.values())
+
+
+@pytest.mark.slow
 def test_one_step_off_policy(grpo_colocated, grpo_one_step_off):
     """Staleness 1: the first batch is colocated's; every later batch was generated one version behind
     the policy that trains on it (so the engine's log-probs now differ from the trainer's)."""

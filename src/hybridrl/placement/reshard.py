@@ -317,20 +317,36 @@ def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verif
     return n_tensors, n_buckets, total, max_bucket
 
 
+def shard_hf_parts(batch, spec: GPTSpec, tp: int, tp_rank: int) -> list:
+    """(hf_name, view, region of the full HF tensor) of each HF tensor's slice in a batch of megatron shards."""
+    return [(hf, view.reshape(-1) if shard.dim() == 1 else view, region) for g, shard in batch
+            for hf, view, region in hc.shard_parts(g, shard, spec, tp, tp_rank)]
+
+
+def stored_shard_error(parts: list, received: dict, verify: str) -> str | None:
+    """What is wrong with an engine's read-back (`load_shards`) of the slices `parts` it was given: a slice
+    not reported, stored at another region, or with another digest than the one sent; None when all agree."""
+    try:
+        names = [hf for hf, _, _ in parts]
+        _received(names, received)
+        for hf, _, region in parts:
+            if received[hf].region != region:
+                raise HandoffError(f"engine stores slice {received[hf].region} of {hf!r}; "
+                                   f"the shard sent holds {region}")
+        _check(names, [weight_digest(view, verify) for _, view, _ in parts], received, verify)
+    except HandoffError as err:
+        return str(err)
+    return None
+
+
 def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     for batch in iter_shards(model, spec, bucket_bytes):
         received = engine.load_shards(batch, verify)
-        parts = [(hf, view.reshape(-1) if shard.dim() == 1 else view, region) for g, shard in batch
-                 for hf, view, region in hc.shard_parts(g, shard, spec, groups.tp, groups.tp_rank)]
-        if verify != "off":
-            names = [hf for hf, _, _ in parts]
-            _received(names, received)
-            for hf, _, region in parts:
-                if received[hf].region != region:
-                    raise HandoffError(f"engine stores slice {received[hf].region} of {hf!r}; "
-                                       f"the shard sent holds {region}")
-            _check(names, [weight_digest(view, verify) for _, view, _ in parts], received, verify)
+        parts = shard_hf_parts(batch, spec, groups.tp, groups.tp_rank)
+        error = stored_shard_error(parts, received, verify) if verify != "off" else None
+        if error:
+            raise HandoffError(error)
         n_tensors, n_buckets = n_tensors + len(parts), n_buckets + 1
         batch_bytes = sum(shard.nbytes for _, shard in batch)
         total, max_bucket = total + batch_bytes, max(max_bucket, batch_bytes)

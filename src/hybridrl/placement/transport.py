@@ -4,9 +4,11 @@ One stream per pipeline stage and expert-parallel rank of the trainers' DP-0 rep
 the TP ranks of that stage walk the colocated HF path's bucket stream (`iter_hf_weights`, TP-gathered,
 HF-named, bounded buckets) over the tensors their stage holds (`stream_names`: experts from the EP rank
 holding them, everything else from EP rank 0), with no PP or EP broadcast, and their TP-0 rank broadcasts
-each bucket's bytes over a `Bridge` of its own to every rollout rank. The streams run at once; each rollout
-rank takes bucket k of every stream before bucket k+1 of any (its engine loads from one thread, in one order
-on every rollout rank), while the next buckets are already on their way.
+each bucket's bytes over a `Bridge` of its own to every rollout rank. Shard to shard (`sends_shards`: the
+native engine at the trainers' TP, EP 1) every TP rank of a stage is a sender: its own megatron shards, as
+they are, to the rollout ranks of its TP rank, which copy them into their parameters (`load_shards`). The
+streams run at once; each rollout rank takes bucket k of every stream before bucket k+1 of any (its engine
+loads from one thread, in one order on every rollout rank), while the next buckets are already on their way.
 
 The bucket plan of a stream (names, shapes, dtype of every bucket: `bucket_plan`, fixed by the model and
 the bucket size) goes once, on the first sync; each sync then sends only bytes, and one message at its end
@@ -36,7 +38,8 @@ import torch.distributed as dist
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.placement.fingerprint import hf_region, weight_digest
 from hybridrl.models import hf_convert as hc
-from hybridrl.placement.reshard import HandoffError, iter_hf_weights
+from hybridrl.models.hf_checkpoint import global_weight_state
+from hybridrl.placement.reshard import HandoffError, iter_hf_weights, shard_hf_parts, stored_shard_error
 
 SENDER = 0
 """Global rank that speaks for the trainers on the control bridge (DP 0, TP 0, PP 0); it sends stage 0's weights."""
@@ -60,20 +63,51 @@ class _Buffer:
         return self.t[:numel]
 
 
-def weight_streams(layouts: list, ep: int) -> list[tuple[int, int, int]]:
+def weight_streams(layouts: list, ep: int, shards: bool = False) -> list[tuple[int, int, int]]:
     """(sender's global rank, stage, EP rank) of each weight stream, in stream order; `layouts[r]` is trainer
     rank r's (dp_rank, cp_rank, pp_rank, ep_rank, tp_rank). The DP-0 replica and its expert-parallel peers
-    (DP ranks < ep) hold every tensor; each (stage, EP rank) sends from its lowest TP-0 rank."""
+    (DP ranks < ep) hold every tensor; each (stage, EP rank) sends from its lowest TP-0 rank, or with `shards`
+    (`sends_shards`) every TP rank of a stage sends its own shards: one stream per (stage, TP rank)."""
     first = {}
     for rank, (dp, _, pp, ep_rank, tp) in enumerate(layouts):
-        if tp == 0 and dp < ep:
-            first.setdefault((pp, ep_rank), rank)
-    return [(rank, pp, ep_rank) for (pp, ep_rank), rank in sorted(first.items())]
+        if (tp == 0 or shards) and dp < ep:
+            first.setdefault((pp, ep_rank, tp if shards else 0), rank)
+    return [(rank, pp, ep_rank) for (pp, ep_rank, _), rank in sorted(first.items())]
 
 
 def my_stream(streams: list, layouts: list, rank: int):
-    """The stream trainer rank `rank` walks (the TP group of its sender: same DP, CP, stage and EP rank), or None."""
-    return next((s for s in streams if layouts[s[0]][:4] == layouts[rank][:4]), None)
+    """The stream trainer rank `rank` walks: its own, or that of its TP group's sender (same DP, CP, stage
+    and EP rank: the TP collectives of the HF stream), or None."""
+    return next((s for s in streams if s[0] == rank), None) or \
+        next((s for s in streams if layouts[s[0]][:4] == layouts[rank][:4]), None)
+
+
+def sends_shards(engine_name: str, rollout_tp: int, tp: int, ep: int) -> bool:
+    """Shard to shard: the native engine at the trainers' TP (and EP 1) holds each trainer TP rank's shards as
+    they are (same dtype: both are model.params_dtype), so each TP rank sends its own, in megatron layout, to
+    the rollout ranks of the same TP rank: no TP gather, no HF conversion, 1/tp of the weights per sender."""
+    return engine_name == "native" and rollout_tp == tp and ep == 1
+
+
+def stream_members(streams: list, layouts: list, rollout_ranks: list, rollout_tp: int, shards: bool) -> list:
+    """[sender, its receivers] per stream: every rollout rank, or with `shards` those at the sender's TP rank
+    (rollout TP groups are consecutive ranks of the rollout world)."""
+    return [[s] + [r for i, r in enumerate(rollout_ranks) if not shards or i % rollout_tp == layouts[s][4]]
+            for s, _, _ in streams]
+
+
+def shard_buckets(model, spec: GPTSpec, groups, names: list, bucket_bytes: int) -> list:
+    """[[(global megatron name, this rank's shard), ...] per bucket] over `names` (this rank's stage and EP rank):
+    views of the parameters, whole shards summing to <= bucket_bytes (one larger shard alone)."""
+    local, buckets, held = global_weight_state(model, spec, groups), [[]], 0
+    for name in names:
+        shard = local[name].detach()
+        if buckets[-1] and held + shard.nbytes > bucket_bytes:
+            buckets.append([])
+            held = 0
+        buckets[-1].append((name, shard))
+        held += shard.nbytes
+    return buckets if buckets[-1] else []
 
 
 def stream_names(spec: GPTSpec, stage: int, ep_rank: int, pp: int, ep: int) -> list[str]:
@@ -107,8 +141,8 @@ class WeightSender:
     stream (`stream`: (sender, stage, EP rank), None elsewhere: those return at once); `bridge` is the
     stream's on its sender, else None."""
 
-    def __init__(self, bridge, stream, groups, spec: GPTSpec, bucket_mb: float, verify: str):
-        self.bridge, self.groups, self.spec = bridge, groups, spec
+    def __init__(self, bridge, stream, groups, spec: GPTSpec, bucket_mb: float, verify: str, shards: bool = False):
+        self.bridge, self.groups, self.spec, self.shards = bridge, groups, spec, shards
         self.bucket_bytes, self.verify = int(bucket_mb * 2 ** 20), verify
         self.names = None if stream is None else stream_names(spec, stream[1], stream[2], groups.pp, groups.ep)
         self.buffers = (_Buffer(), _Buffer())
@@ -129,7 +163,14 @@ class WeightSender:
     def _walk(self, model, version: int) -> tuple:
         """(bytes sent, buckets sent, the rollout ranks' verdict) on the sender; (0, 0, None) on its TP peers."""
         sent, buckets, digests, in_flight = 0, 0, [], [None, None]
-        stream = iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes, self.names) if self.names else ()
+        if not self.names:
+            stream = ()
+        elif self.shards:  # views only: the plan is known before any byte moves
+            stream = shard_buckets(model, self.spec, self.groups, self.names, self.bucket_bytes)
+            if self.plan is None and stream:
+                self._send_plan(stream[0][0][1].dtype, [[(n, tuple(t.shape)) for n, t in b] for b in stream])
+        else:
+            stream = iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes, self.names)
         for bucket in stream:
             if self.bridge is not None:
                 sent += self._send_bucket(buckets, bucket, digests, in_flight)
@@ -146,8 +187,9 @@ class WeightSender:
         self.bridge.broadcast_object({"version": version, "digests": digests}, src)
         return sent, buckets, self.bridge.broadcast_object(None, leader)
 
-    def _send_plan(self, dtype) -> None:
-        self.plan = bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, dtype, self.names)
+    def _send_plan(self, dtype, plan=None) -> None:
+        self.plan = plan if plan is not None else bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, dtype,
+                                                              [] if self.shards else self.names)
         self.bridge.broadcast_object({"plan": self.plan, "dtype": str(dtype)}, self.bridge.members[0])
 
     def _send_bucket(self, index: int, bucket, digests: list, in_flight: list) -> int:
@@ -208,17 +250,21 @@ class WeightReceiver:
     """Rollout side: every rollout rank calls `receive` when the trainers send; returns the version.
     `bridges`: one per stream, in stream order."""
 
-    def __init__(self, bridges: list, verify: str):
+    def __init__(self, bridges: list, verify: str, shards=None):
         self.streams, self.verify = [_Incoming(b) for b in bridges], verify
+        self.shards = shards
+        """(spec, tp, tp_rank) where the streams carry megatron shards at the engine's layout (`sends_shards`)."""
 
     def receive(self, engine) -> int:
         for s in self.streams:
             s.start()
-        errors, received = [], [[] for _ in self.streams]
+        errors, received = self._layout_errors(engine), [[] for _ in self.streams]
+        load = not errors  # else every bucket is still taken (the senders go on), none loaded
         for k in range(max((len(s.plan) for s in self.streams), default=0)):
             for s, got in zip(self.streams, received):  # bucket k of every stream, then k+1: one order everywhere
                 if k < len(s.plan):
-                    errors += self._load(engine, s.take(k), got)
+                    bucket = s.take(k)
+                    errors += self._load(engine, bucket, got) if load else []
                     s.post(k + 2)
         metas = [s.bridge.broadcast_object(None, s.bridge.members[0]) for s in self.streams]
         for s, got, meta in zip(self.streams, received, metas):
@@ -238,11 +284,30 @@ class WeightReceiver:
             s.bridge.broadcast_object(first, s.bridge.members[1])
         return versions[0]
 
+    def _layout_errors(self, engine) -> list:
+        """Shards are loaded as they come only into an engine at their layout (TP, TP rank and dtype)."""
+        dtypes = {s.dtype for s in self.streams if s.plan}
+        if self.shards is None or not dtypes:
+            return []
+        _, tp, tp_rank = self.shards
+        theirs = (tp, tp_rank, dtypes.pop())
+        if getattr(engine, "shard_layout", None) is None or engine.shard_layout() != theirs:
+            ours = engine.shard_layout() if hasattr(engine, "shard_layout") else "no shard layout"
+            return [f"rank {dist.get_rank()} of the rollout world received shards at (tp, tp_rank, dtype) {theirs}; "
+                    f"its engine holds {ours}: nothing was loaded"]
+        return []
+
     def _load(self, engine, bucket, received: list) -> list:
         """Digests of the bytes received (appended to `received`, checked against the sender's at the end
         of the sync), then errors of the store: an engine copy that differs from them."""
         if self.verify != "off":
             received += [weight_digest(t, self.verify) for _, t in bucket]
+        if self.shards is not None:
+            stored = engine.load_shards(bucket, self.verify)
+            spec, tp, tp_rank = self.shards
+            error = stored_shard_error(shard_hf_parts(bucket, spec, tp, tp_rank), stored, self.verify) \
+                if self.verify != "off" else None
+            return [error] if error else []
         stored = engine.load_weights(bucket, self.verify)
         if self.verify == "off":
             return []

@@ -25,7 +25,7 @@ from hybridrl.config import Config
 from hybridrl.parallel.split_world import Bridge, SplitWorld
 from hybridrl.placement.reshard import HandoffError
 from hybridrl.placement.transport import (BYTES, MAX_BYTES, SENDER, WeightReceiver, WeightSender, my_stream,
-                                          weight_streams)
+                                          sends_shards, stream_members, weight_streams)
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
 from hybridrl.trainer.split_partial import _PartialWeights, claim_answer, queue_answer
 from hybridrl.trainer.streamed import hold_for_pass
@@ -62,12 +62,11 @@ def control_bridge(world: SplitWorld) -> Bridge:
     return Bridge(world, "control", world.ranks_of("train") + world.rollout_ranks)
 
 
-def weights_bridges(world: SplitWorld, senders: list) -> list[Bridge]:
-    """One bridge per weight stream, {its sender} + the rollout ranks (nccl on GPU, gloo on CPU): every one on
-    a rollout rank, in stream order; the one it sends on (or none) on a trainer rank."""
+def weights_bridges(world: SplitWorld, members: list) -> list[Bridge]:
+    """One bridge per weight stream over its members ([sender, receivers], `transport.stream_members`; nccl on
+    GPU, gloo on CPU): those a rank belongs to, in stream order (on a trainer rank the one it sends on, or none)."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return [Bridge(world, f"weights/{i}", [s] + world.rollout_ranks, backend) for i, s in enumerate(senders)
-            if world.rank in (s, *world.rollout_ranks)]
+    return [Bridge(world, f"weights/{i}", m, backend) for i, m in enumerate(members) if world.rank in m]
 
 
 class RolloutClient:
@@ -100,14 +99,15 @@ class RolloutClient:
         layouts = [None] * dist.get_world_size()
         g = groups
         dist.all_gather_object(layouts, (g.dp_rank, g.cp_rank, g.pp_rank, g.ep_rank, g.tp_rank))
-        streams = weight_streams(layouts, groups.ep)
-        senders = [s for s, _, _ in streams]
+        self.shards = sends_shards(r.name, r.tensor_model_parallel_size, groups.tp, groups.ep)
+        streams = weight_streams(layouts, groups.ep, self.shards)
+        members = stream_members(streams, layouts, world.rollout_ranks, r.tensor_model_parallel_size, self.shards)
         self._send({"kind": "hello", "spec": spec_to_dict(spec), "dp_of": [x[0] for x in layouts],
-                    "senders": senders})
+                    "streams": members, "shards": self.shards})
         with self._peer("start-up"):
-            mine = weights_bridges(world, senders)
+            mine = weights_bridges(world, members)
             self.sender = WeightSender(mine[0] if mine else None, my_stream(streams, layouts, world.rank), groups,
-                                       spec, r.update_weights_bucket_mb, r.verify_weights)
+                                       spec, r.update_weights_bucket_mb, r.verify_weights, self.shards)
 
     def _send(self, msg) -> None:
         with self._peer(f"the {msg['kind'] if msg else 'next'} request" if self.world.rank == SENDER else "a request"):
@@ -226,10 +226,13 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     with talking_to("trainer", trainers, "start-up"):  # the trainers may build their models for long
         control = control_bridge(world)
         hello = control.broadcast_object(None, SENDER)
-        receiver = WeightReceiver(weights_bridges(world, hello["senders"]), cfg.rollout.verify_weights)
+        receiver = WeightReceiver(weights_bridges(world, hello["streams"]), cfg.rollout.verify_weights)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
-    engine = build_rollout(cfg, spec_from_dict(hello["spec"]), groups, tokenizer)
+    spec = spec_from_dict(hello["spec"])
+    engine = build_rollout(cfg, spec, groups, tokenizer)
+    if hello["shards"]:
+        receiver.shards = (spec, groups.tp, groups.tp_rank)
     agent = AgentLoop(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
     server = _Server(control, world, engine, agent, groups, Timeline(world.rank, "rollout"), hello["dp_of"])
     partial = None
