@@ -38,10 +38,11 @@ demo-moe: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=2 scripts/train_ppo.py --config configs/tiny_cpu_moe.yaml model.path=outputs/tiny_cpu_moe/sft_hf $(ARGS)
 
 # two pytest-xdist workers: each starts on its half of the tests in collection order and, once idle, takes
-# tests from the end of the other's share (worksteal); TEST_WORKERS=0 runs in one process
+# tests from the end of the other's share (worksteal); TEST_WORKERS=0 runs in one process; the 25 slowest
+# are listed at the end (the suite must stay under 20 minutes on 2 cores)
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow"

@@ -27,12 +27,10 @@ from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
 from hybridrl.placement import engine_layout as el
 from hybridrl.placement.fingerprint import VERIFY_MODES, hf_region, weight_digest
+from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, check_identity, require_reported,
+                                         shard_hf_parts, stored_shard_error)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
 from hybridrl.placement.rollout_groups import RolloutGroups, join_requests, new_rollout_groups  # noqa: F401 (same)
-
-
-class HandoffError(RuntimeError):
-    """The engine did not receive exactly what was sent."""
 
 
 # ---- the weight stream -----------------------------------------------------------------------------
@@ -267,37 +265,6 @@ def verify_bytes(spec: GPTSpec, tp: int, dtype: torch.dtype, mode: str) -> int:
     return 128 * rows_cols + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
 
 
-def _check(names: list, ours: list, received: dict, mode: str) -> None:
-    """The engine's read-back digest of each tensor equals the sender's (one host sync per bucket)."""
-    if mode == "fingerprint":
-        theirs = torch.stack([received[n].digest.to(ours[0].device) for n in names])
-        bad = (torch.stack(ours) != theirs).nonzero().flatten().tolist()
-    else:
-        bad = [i for i, n in enumerate(names) if received[n].digest != ours[i]]
-    if bad:
-        i = bad[0]
-        theirs_i = received[names[i]].digest
-        raise HandoffError(
-            f"engine's stored copy of {names[i]!r} (slice {received[names[i]].region}) differs from what was "
-            f"sent: {mode} sent {_show(ours[i])}, read back {_show(theirs_i)} ({len(bad)} tensors differ in "
-            f"this bucket)")
-
-
-_show = lambda digest: str(digest.item()) if isinstance(digest, torch.Tensor) else str(digest)  # noqa: E731
-
-
-def _received(names, received: dict) -> None:
-    for name in names:
-        if name not in received:
-            raise HandoffError(f"engine did not report tensor {name!r}: it was sent but not stored")
-
-
-def _as_stored(t: torch.Tensor, dtype) -> torch.Tensor:
-    """What an engine that stores dtype `dtype` (None: the one sent) holds of t: the same rounding as its
-    copy (a converted copy only where the dtypes differ)."""
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
-
-
 def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     to_mcore = hc.mcore_to_hf_name_map(spec)
@@ -305,38 +272,16 @@ def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verif
         received = engine.load_weights(bucket, verify)
         if verify != "off":
             names = [n for n, _ in bucket]
-            _received(names, received)
-            ours = [weight_digest(_as_stored(hf_region(t, received[n].region), received[n].dtype), verify)
+            require_reported(names, received)
+            ours = [weight_digest(as_stored(hf_region(t, received[n].region), received[n].dtype), verify)
                     for n, t in bucket]
-            _check(names, ours, received, verify)
+            check_digests(names, ours, received, verify)
         n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
         total += sum(t.nbytes for _, t in bucket)
         owners = {to_mcore[n][0] for n, _ in bucket}
         max_bucket = max(max_bucket, sum(_full_bytes(g, spec, groups.tp, bucket[0][1].dtype) for g in owners))
         del bucket, received  # the generator refills the buffer for the next bucket
     return n_tensors, n_buckets, total, max_bucket
-
-
-def shard_hf_parts(batch, spec: GPTSpec, tp: int, tp_rank: int) -> list:
-    """(hf_name, view, region of the full HF tensor) of each HF tensor's slice in a batch of megatron shards."""
-    return [(hf, view.reshape(-1) if shard.dim() == 1 else view, region) for g, shard in batch
-            for hf, view, region in hc.shard_parts(g, shard, spec, tp, tp_rank)]
-
-
-def stored_shard_error(parts: list, received: dict, verify: str) -> str | None:
-    """What is wrong with an engine's read-back (`load_shards`) of the slices `parts` it was given: a slice
-    not reported, stored at another region, or with another digest than the one sent; None when all agree."""
-    try:
-        names = [hf for hf, _, _ in parts]
-        _received(names, received)
-        for hf, _, region in parts:
-            if received[hf].region != region:
-                raise HandoffError(f"engine stores slice {received[hf].region} of {hf!r}; "
-                                   f"the shard sent holds {region}")
-        _check(names, [weight_digest(view, verify) for _, view, _ in parts], received, verify)
-    except HandoffError as err:
-        return str(err)
-    return None
 
 
 def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
@@ -377,7 +322,7 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         read_back()
         if verify != "off":
             sent = el.reduce_digests(torch.stack(digests), groups)[:, rr]
-            _received(bucket, stored)
+            require_reported(bucket, stored)
             el.check_digests(bucket, sent, stored, spec, HandoffError)
         return 1, max(max_bucket, held)
 
@@ -435,25 +380,8 @@ def _share(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str)
             if name not in held:
                 raise HandoffError(f"engine did not report tensor {name!r}: it was shared but not adopted")
             adopted, param = held[name]
-            _check_identity(name, sent, adopted, param)
+            check_identity(name, sent, adopted, param)
     return len(shards), 0, 0, 0
-
-
-def _check_identity(name: str, sent: torch.Tensor, adopted: torch.Tensor, param: torch.Tensor) -> None:
-    def where(t):
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-    storage = sent.untyped_storage()
-    if param.untyped_storage() is not storage or adopted.untyped_storage() is not storage \
-            or where(param) != where(sent) or where(adopted) != where(sent):
-        raise HandoffError(
-            f"the engine reads {name!r} at (storage, offset, shape, stride, dtype) {where(param)}, the training "
-            f"parameter is at {where(sent)}: the parameter was replaced, not updated in place (its views in the "
-            f"engine are stale); call engine.release_shared() after replacing parameters")
-    if adopted._version != sent._version:
-        raise HandoffError(f"the engine's alias of {name!r} is at version {adopted._version}, the training "
-                           f"parameter at {sent._version}: the same storage, but not the same tensor; call "
-                           f"engine.release_shared() after replacing parameters")
 
 
 def shares_weights(engine, model, groups) -> bool:

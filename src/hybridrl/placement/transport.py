@@ -39,7 +39,8 @@ from hybridrl.models.gpt import GPTSpec
 from hybridrl.placement.fingerprint import hf_region, weight_digest
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.hf_checkpoint import global_weight_state
-from hybridrl.placement.reshard import HandoffError, iter_hf_weights, shard_hf_parts, stored_shard_error
+from hybridrl.placement.readback import HandoffError, shard_hf_parts, stored_shard_error
+from hybridrl.placement.reshard import iter_hf_weights
 
 SENDER = 0
 """Global rank that speaks for the trainers on the control bridge (DP 0, TP 0, PP 0); it sends stage 0's weights."""
