@@ -183,12 +183,13 @@ def test_split_training_tp2_with_two_engine_replicas(grpo_colocated, tmp_path):
 
     # 4 prompts a step in rounds of 2: each replica generates one prompt of every round, so both work about as
     # long (a replica handed an empty share records a gen span of next to nothing: before, every chunk of one
-    # prompt went to the last replica); the trainers still receive 4 chunks a step (a wait for each)
+    # prompt went to the last replica; 0.1, not closer to 1: a busy machine may slow one replica's process
+    # several times over); the trainers still receive 4 chunks a step (a wait for each)
     events = read_trace(str(tmp_path / "timeline" / "timeline.json"))
     assert len(_spans(events, "trainer", "wait_rollout", 0)) == 4 * 2
     busy = {r: sum(e - s for _, _, s, e in _spans(events, "rollout", "gen", r)) for r in (2, 3)}
     assert len(_spans(events, "rollout", "gen", 2)) == len(_spans(events, "rollout", "gen", 3)) == 2 * 2
-    assert min(busy.values()) > 0.3 * max(busy.values()), busy
+    assert min(busy.values()) > 0.1 * max(busy.values()), busy
     assert {e["tid"] for e in events if e["ph"] == "X" and e["cat"] == "rollout"} == {2, 3}
 
 
