@@ -123,12 +123,13 @@ def _train_recording_handoffs(config_path, overrides):
     digests computed on either side counted by mode (the engine's read-back, the trainer's of what it sent)."""
     from collections import Counter
 
-    from hybridrl.placement import reshard
+    from hybridrl.placement import readback, reshard
     from hybridrl.rollout import native
 
     reports, handoff, digests = [], reshard.update_engine_weights, Counter()
     reshard.update_engine_weights = lambda *a, **kw: reports.append(handoff(*a, **kw)) or reports[-1]
-    for side, module in (("trainer", reshard), ("engine", native)):
+    # the trainer's digests: of what it sends (reshard) and of the slices it checks the read-back against (readback)
+    for side, module in (("trainer", reshard), ("trainer", readback), ("engine", native)):
         module.weight_digest = lambda t, mode, real=module.weight_digest, side=side: (
             digests.update([(side, mode)]) or real(t, mode))
     _train(config_path, overrides)
