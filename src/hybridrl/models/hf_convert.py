@@ -31,6 +31,7 @@ dense MLP is (expert TP = TP). Global names carry the global expert index; an EP
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Mapping, Protocol
 
@@ -88,6 +89,7 @@ def _layer_map(spec: GPTSpec, experts: range | None = None) -> dict[str, tuple[s
     return out
 
 
+@functools.lru_cache(maxsize=None)  # names and specs are few: every handoff asks again
 def expert_index(name: str) -> int | None:
     """The expert index in a megatron expert tensor's name (None: not an expert tensor)."""
     m = _EXPERT.match(name)
@@ -196,6 +198,7 @@ def stage_names(spec: GPTSpec, pp: int, pp_rank: int, head: str = "lm", ep: int 
     return names
 
 
+@functools.lru_cache(maxsize=None)  # names and specs are few: every handoff asks again
 def hf_sources(global_name: str, spec: GPTSpec) -> tuple[str, ...]:
     """HF tensor names that make up one megatron tensor (in fused order)."""
     if global_name == OUTPUT and spec.tie_word_embeddings:
@@ -211,13 +214,18 @@ def hf_sources(global_name: str, spec: GPTSpec) -> tuple[str, ...]:
 
 
 def hf_to_mcore_name_map(spec: GPTSpec, head: str = "lm") -> dict[str, tuple[str, ...]]:
-    """Every unique megatron tensor (global names, model order) -> its HF source names."""
-    return {g: hf_sources(g, spec) for _, g in stage_names(spec, 1, 0, head)}
+    """Every unique megatron tensor (global names, model order) -> its HF source names (a new dict each call)."""
+    return dict(_name_pairs(spec, head))
 
 
 def mcore_to_hf_name_map(spec: GPTSpec, head: str = "lm") -> dict[str, tuple[str, int]]:
     """HF name -> (megatron global name, position inside the fused tensor)."""
-    return {hf: (g, i) for g, srcs in hf_to_mcore_name_map(spec, head).items() for i, hf in enumerate(srcs)}
+    return {hf: (g, i) for g, srcs in _name_pairs(spec, head) for i, hf in enumerate(srcs)}
+
+
+@functools.lru_cache(maxsize=None)
+def _name_pairs(spec: GPTSpec, head: str) -> tuple:
+    return tuple((g, hf_sources(g, spec)) for _, g in stage_names(spec, 1, 0, head))
 
 
 def hf_shapes(spec: GPTSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
@@ -293,6 +301,7 @@ def is_vocab_tensor(name: str) -> bool:
     return name in (EMBEDDING, OUTPUT)
 
 
+@functools.lru_cache(maxsize=None)  # names and specs are few: every handoff asks again
 def mcore_full_shape(global_name: str, spec: GPTSpec, tp: int = 1) -> tuple[int, ...]:
     """Shape of a full (TP-merged) megatron tensor; vocab rows padded for `tp`."""
     h, d = spec.hidden_size, spec.kv_channels
@@ -322,6 +331,7 @@ def _is_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight") or (expert_index(name) is not None and "linear_fc1.weight" in name)
 
 
+@functools.lru_cache(maxsize=None)  # names and specs are few: every handoff asks again
 def tp_split_dim(name: str) -> int | None:
     """Dim a megatron tensor is partitioned along over TP (column-parallel 0, row-parallel 1), None: replicated."""
     if is_vocab_tensor(name) or _is_fc1(name) or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
