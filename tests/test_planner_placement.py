@@ -110,7 +110,8 @@ def test_a_rollout_group_counts_the_buffers_its_weights_arrive_in():
     """Each rollout rank holds two receive buffers per weight stream (one stream per training pipeline stage),
     each as large as the stream's largest bucket: for Qwen2-7B the embedding (152064 padded rows x 3584, bf16)
     is larger than the 64 MiB bucket. A device with room for the engine, its KV cache and the buffers of one
-    stream takes the rollout at PP 1 and refuses it at PP 2 (four buffers)."""
+    stream takes the rollout at PP 1 and refuses it at PP 2 (four buffers); shard to shard the buffers hold
+    shards (half an embedding at TP 2)."""
     import dataclasses
 
     from hybridrl.planner import memory as mem
@@ -125,10 +126,19 @@ def test_a_rollout_group_counts_the_buffers_its_weights_arrive_in():
     assert mem.largest_tensor_params(arch, 1) * 2 == embedding
     assert cfg.rollout.update_weights_bucket_mb * 2 ** 20 < embedding
 
-    def rollout_fits(pp, gib):
-        parallel = dataclasses.replace(cfg.parallel, pipeline_model_parallel_size=pp, gpu_memory_gb=gib)
-        return config_memory_fits(dataclasses.replace(cfg, parallel=parallel))("rollout", 1, 1, 1)
+    def rollout_fits(pp, gib, tp=1, rollout_tp=1, engine_name="vllm"):
+        parallel = dataclasses.replace(cfg.parallel, pipeline_model_parallel_size=pp, gpu_memory_gb=gib,
+                                       tensor_model_parallel_size=tp)
+        sized = dataclasses.replace(cfg, parallel=parallel, rollout=dataclasses.replace(cfg.rollout, name=engine_name))
+        return config_memory_fits(sized)("rollout", 1, rollout_tp, 1)
 
     room = (engine + 3 * embedding) / 2 ** 30  # two buffers fit, four do not
     assert rollout_fits(1, room) and not rollout_fits(2, room)
     assert not rollout_fits(1, (engine + embedding) / 2 ** 30)  # the engine alone fits, its two buffers do not
+    # shard to shard (trainers at TP 2, native engines at TP 2): a rollout rank receives its own shards, half the
+    # size; vLLM (or trainers at TP 1) get whole tensors
+    kv2 = mem.kv_bytes_per_token(arch, 2, 1, "bfloat16") * seq
+    engine2 = mem.total_params(arch) + RUNTIME_OVERHEAD_GIB * 2 ** 30 + kv2  # half the weights, in bf16
+    room2 = (engine2 + 3 * embedding / 2) / 2 ** 30
+    assert rollout_fits(1, room2, 2, 2, "native") and not rollout_fits(2, room2, 2, 2, "native")
+    assert not rollout_fits(1, room2, 1, 2, "native") and not rollout_fits(1, room2, 2, 2, "vllm")

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hybridrl.config import Config, ConfigError
 from hybridrl.config.layout import derive_layout
+from hybridrl.placement.transport import sends_shards
 from hybridrl.planner import memory as mem
 from hybridrl.planner.plan import GIB, RUNTIME_OVERHEAD_GIB, estimate
 from hybridrl.workers.actor import old_log_prob_source
@@ -262,22 +263,28 @@ def config_memory_fits(cfg: Config, vocab_size: int = 0) -> MemoryFits:
     phases (no engine, and no critic on an actor group with a critic group of its own); a rollout
     engine needs its weights at TP, the runtime overhead, one full sequence's KV cache and the buffers its
     weights arrive in: two of each weight stream's largest bucket (one stream per training pipeline stage and
-    expert-parallel rank; a bucket holds whole tensors up to the bucket size, or one larger tensor)."""
+    expert-parallel rank; a bucket holds whole tensors up to the bucket size, or one larger tensor). Shard to
+    shard (the native engine at the trainers' TP, EP 1: `transport.sends_shards`) a rollout rank receives only
+    its TP rank's shards: one stream per stage, tensors 1/TP the size."""
     gpu = cfg.parallel.gpu_memory_gb * GIB
     arch = mem.arch_from_model_config(cfg.model, vocab_size)
     dtype, seq = cfg.model.params_dtype, cfg.data.max_prompt_length + cfg.data.max_response_length
-    streams = cfg.parallel.pipeline_model_parallel_size * cfg.parallel.expert_model_parallel_size
     weights = mem.total_params(arch) * mem.BYTES_PER_ELEMENT[dtype]
-    bucket = max(cfg.rollout.update_weights_bucket_mb * 2 ** 20,
-                 mem.largest_tensor_params(arch, 1) * mem.BYTES_PER_ELEMENT[dtype])
-    receive = 2 * streams * min(bucket, weights)
+    p = cfg.parallel
+
+    def receive(tp: int) -> float:
+        shards = sends_shards(cfg.rollout.name, tp, p.tensor_model_parallel_size, p.expert_model_parallel_size)
+        split = tp if shards else 1
+        streams = p.pipeline_model_parallel_size * (1 if shards else p.expert_model_parallel_size)
+        largest = mem.largest_tensor_params(arch, split) * mem.BYTES_PER_ELEMENT[dtype] / split
+        return 2 * streams * min(max(cfg.rollout.update_weights_bucket_mb * 2 ** 20, largest), weights / split)
 
     def fits(role: str, devices: int, tp: int, pp: int) -> bool:
         if role == "rollout":
             if arch.num_attention_heads % tp or arch.num_key_value_heads % tp:
                 return False
             kv = mem.kv_bytes_per_token(arch, tp, 1, dtype) * seq
-            return weights / tp + RUNTIME_OVERHEAD_GIB * GIB + kv + receive <= gpu
+            return weights / tp + RUNTIME_OVERHEAD_GIB * GIB + kv + receive(tp) <= gpu
         rollout_tp = cfg.rollout.tensor_model_parallel_size if role == "colocated" else 1
         parallel = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         sized = dataclasses.replace(cfg, parallel=parallel,
