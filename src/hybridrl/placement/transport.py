@@ -190,7 +190,7 @@ class WeightSender:
 
     def _send_plan(self, dtype, plan=None) -> None:
         self.plan = plan if plan is not None else bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, dtype,
-                                                              [] if self.shards else self.names)
+                                                              self.names)
         self.bridge.broadcast_object({"plan": self.plan, "dtype": str(dtype)}, self.bridge.members[0])
 
     def _send_bucket(self, index: int, bucket, digests: list, in_flight: list) -> int:
