@@ -16,7 +16,9 @@ with the version and the sender's digest of every tensor. Each rollout rank dige
 (checked against the sender's at the end: the transport), loads each bucket into its engine, and checks
 what the engine read back from its own parameters against the received slice (the store). One verdict per
 sync returns to every sender and from them to every trainer rank, so a bad handoff stops every rank with
-the same HandoffError; so does a disagreement of the streams' versions.
+the same HandoffError; so does a disagreement of the streams' versions, and a sender whose stream departs
+from its plan (it sends zeros of the planned buckets, so no receiver waits forever, and names the fault in
+its closing message).
 
 Double buffering: a sender packs bucket k into buffer k % 2 (once bucket k-2's broadcast from it has ended)
 and starts its broadcast, then gathers bucket k+1 (the TP collectives) and packs it while k is on the bridge:
@@ -147,8 +149,8 @@ class WeightSender:
         self.bucket_bytes, self.verify = int(bucket_mb * 2 ** 20), verify
         self.names = None if stream is None else stream_names(spec, stream[1], stream[2], groups.pp, groups.ep)
         self.buffers = (_Buffer(), _Buffer())
-        self.plan = None
-        """The bucket plan once sent (first sync): later syncs send bytes only."""
+        self.plan, self.dtype, self.fault = None, None, None
+        """The bucket plan and its dtype once sent (first sync): later syncs send bytes only."""
 
     def send(self, model, version: int) -> dict:
         start = time.perf_counter()
@@ -172,35 +174,56 @@ class WeightSender:
                 self._send_plan(stream[0][0][1].dtype, [[(n, tuple(t.shape)) for n, t in b] for b in stream])
         else:
             stream = iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes, self.names)
+        self.fault = None
         for bucket in stream:
             if self.bridge is not None:
                 sent += self._send_bucket(buckets, bucket, digests, in_flight)
             buckets += 1
         if self.bridge is None:
             return 0, 0, None
+        if self.plan is None:  # a stream without tensors still announces its (empty) plan
+            self._send_plan(torch.float32)
+        for index in range(buckets, len(self.plan)):  # the stream ended early: the receivers still expect these
+            self._faulty(f"it ended after {buckets} of the {len(self.plan)} buckets planned")
+            sent += self._send_bucket(index, self._zeros(index), digests, in_flight)
         for wait in in_flight:
             if wait is not None:
                 wait()
-        if self.plan is None:  # a stream without tensors still announces its (empty) plan
-            self._send_plan(torch.float32)
         src, leader = self.bridge.members[:2]
         digests = [_host(d) for d in digests] if self.verify != "off" else None
-        self.bridge.broadcast_object({"version": version, "digests": digests}, src)
+        self.bridge.broadcast_object({"version": version, "digests": digests, "fault": self.fault}, src)
         return sent, buckets, self.bridge.broadcast_object(None, leader)
 
     def _send_plan(self, dtype, plan=None) -> None:
         self.plan = plan if plan is not None else bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, dtype,
                                                               self.names)
+        self.dtype = dtype
         self.bridge.broadcast_object({"plan": self.plan, "dtype": str(dtype)}, self.bridge.members[0])
+
+    def _faulty(self, what: str) -> None:
+        """Note the stream's first departure from its plan; it reaches every rank in the sync's verdict."""
+        if self.fault is None:
+            self.fault = (f"the weight stream of trainer rank {dist.get_rank()} departed from the bucket plan it sent "
+                          f"at the first sync: {what}; the model's tensors or the bucket size changed since (the "
+                          f"rollout ranks got zeros in place of those buckets)")
+
+    def _zeros(self, index: int) -> list:
+        """Planned bucket `index` filled with zeros: what goes on the bridge in place of a departing bucket, so
+        every receiver's posted broadcast completes and the verdict, not a hang, ends the sync."""
+        return [(n, torch.zeros(shape, dtype=self.dtype, device=self.bridge.device)) for n, shape in self.plan[index]]
 
     def _send_bucket(self, index: int, bucket, digests: list, in_flight: list) -> int:
         """Pack bucket `index` into its buffer (once bucket index-2 has left it) and start its broadcast."""
         if self.plan is None:  # first sync: the plan, once, before any bytes
             self._send_plan(bucket[0][1].dtype)
-        if index >= len(self.plan) or [(n, tuple(t.shape)) for n, t in bucket] != self.plan[index]:
-            planned = [n for n, _ in self.plan[index]][:3] if index < len(self.plan) else "no bucket"
-            raise RuntimeError(f"bucket {index} of the weight stream is not the one planned: "
-                               f"{[n for n, _ in bucket][:3]} vs {planned}")
+        if index >= len(self.plan):  # past the plan: the receivers expect nothing more
+            self._faulty(f"bucket {index} ({[n for n, _ in bucket][:3]}) is past the {len(self.plan)} planned")
+            return 0
+        layout = [(n, tuple(t.shape)) for n, t in bucket]
+        if layout != self.plan[index] or bucket[0][1].dtype != self.dtype:
+            self._faulty(f"bucket {index} holds {[n for n, _ in bucket][:3]} as {bucket[0][1].dtype}, the plan "
+                         f"{[n for n, _ in self.plan[index]][:3]} as {self.dtype}")
+            bucket = self._zeros(index)
         if self.verify != "off":
             digests += [weight_digest(t, self.verify) for _, t in bucket]  # to the host at the end: no sync here
         slot = index % 2
@@ -268,6 +291,7 @@ class WeightReceiver:
                     errors += self._load(engine, bucket, got) if load else []
                     s.post(k + 2)
         metas = [s.bridge.broadcast_object(None, s.bridge.members[0]) for s in self.streams]
+        errors[:0] = [m["fault"] for m in metas if m.get("fault")]  # first: it explains any other error
         for s, got, meta in zip(self.streams, received, metas):
             if meta["digests"] is not None:
                 names = [n for layout in s.plan for n, _ in layout]

@@ -1,0 +1,87 @@
+"""A split-placement weight sender whose stream departs from the bucket plan it sent at the first sync (the
+bucket size or the model's tensors changed): every rank ends that sync with one HandoffError naming it, none
+waits forever, and the next sync that follows the plan delivers the weights again."""
+from datetime import timedelta
+
+import pytest
+
+from dist_helper import free_port, run_distributed
+
+BUCKET_MB = 0.05  # several buckets of the tiny model
+
+
+def _split_pair(port: int):
+    """Rank 0 a trainer, rank 1 a rollout rank, each the only rank of its role world, joined by one weights bridge."""
+    import torch.distributed as dist
+
+    from hybridrl.parallel import liveness
+    from hybridrl.parallel.split_world import Bridge, SplitWorld
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # the role worlds replace the launch's world, as init_split_world makes them
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+    liveness.start(store, rank, 2, 60)
+    world = SplitWorld(rank, 2, 1, store, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"role/{world.role}", store), rank=0, world_size=1)
+    return rank, Bridge(world, "weights/0", [0, 1])
+
+
+def _syncs(port: int, folder: str):
+    import torch
+
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.hf_checkpoint import SafetensorsReader, model_from_hf
+    from hybridrl.models.hf_config import spec_from_hf_config
+    from hybridrl.parallel import liveness
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.placement.readback import HandoffError
+    from hybridrl.placement.transport import WeightReceiver, WeightSender
+    from hybridrl.rollout.native import NativeEngine
+
+    rank, bridge = _split_pair(port)
+    try:
+        if rank == 0:
+            groups = init_model_parallel(1, 1)
+            model, spec = model_from_hf(folder, groups)
+            sender = WeightSender(bridge, (0, 0, 0), groups, spec, BUCKET_MB, "fingerprint")
+            out = {"buckets": sender.send(model, 1)["perf/weight_sync_buckets"]}
+            for version, bucket_bytes in ((2, 1), (3, 2 ** 30)):  # each tensor alone; the whole model in one
+                sender.bucket_bytes = bucket_bytes
+                try:
+                    sender.send(model, version)
+                    out[version] = "no error"
+                except HandoffError as err:
+                    out[version] = str(err)
+            sender.bucket_bytes = int(BUCKET_MB * 2 ** 20)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            out["buckets_after"] = sender.send(model, 4)["perf/weight_sync_buckets"]
+            return out
+        spec = spec_from_hf_config(folder)
+        engine = NativeEngine(spec, 1)
+        receiver = WeightReceiver([bridge], "fingerprint")
+        versions = [receiver.receive(engine) for _ in range(4)]
+        reader = SafetensorsReader(folder)
+        rows = lambda t: t[:spec.vocab_size]  # noqa: E731 (the HF tensors hold no vocabulary padding)
+        shifted = all(torch.equal(rows(engine.params[n]), rows(hc.read_shard(n, reader, spec, 1, 0)) + 1.0)
+                      for _, n in hc.stage_names(spec, 1, 0))
+        return {"versions": versions, "weights_after": shifted}
+    finally:
+        liveness.stop()
+
+
+@pytest.mark.distributed
+def test_a_stream_off_its_plan_ends_the_sync_with_one_error(tmp_path):
+    """Sync 2 cuts every tensor into a bucket of its own, sync 3 puts the model in one: the sender (from the
+    rollout rank's verdict) names the departure, the rollout rank finishes each sync; sync 4, on the plan
+    again, carries the changed weights. Before the fault path the sender raised alone at bucket 0 and the
+    rollout rank waited on that bucket until the sender's process was gone."""
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+
+    folder = random_hf_model_folder(str(tmp_path / "m"), "qwen2", num_hidden_layers=2)
+    trainer, rollout = run_distributed(_syncs, 2, free_port(), folder, timeout=120)
+    assert trainer["buckets"] > 2 and trainer["buckets_after"] == trainer["buckets"], trainer
+    assert "departed from the bucket plan" in trainer[2] and " holds " in trainer[2], trainer[2]
+    assert "departed from the bucket plan" in trainer[3] and "bucket 0 holds" in trainer[3], trainer[3]
+    assert rollout == {"versions": [1, 2, 3, 4], "weights_after": True}, rollout
