@@ -36,6 +36,9 @@ def _worker(rank, world_size, port, fn, args, results, on_virtual_device=False):
         from hybridrl.parallel import distributed
 
         distributed.init_distributed(timeout_s=120)
+        # gloo's full mesh can be up on one rank while another still connects: a body that returns at once
+        # (or fails) would close the pairs under it ("Connection closed by peer" in the other's init)
+        torch.distributed.barrier()
         if on_virtual_device:
             from virtual_device import virtual_device
 
