@@ -63,7 +63,7 @@ def _faulty_engine_class():
                 with torch.no_grad():
                     self.params[own].copy_(full.chunk(tp)[(self.groups.tp_rank + 1) % tp])
 
-        def layout_digests(self, names):
+        def layout_digests(self, names, into):
             _, view, _ = self._slots.get(self.victim, (None, None, None))
             if self.fault and self._slots[self.victim][0] in {self._own_name(n) for n in names}:
                 with torch.no_grad():
@@ -75,7 +75,7 @@ def _faulty_engine_class():
                         view.copy_(view.t().clone())
                     elif self.fault == "bit_flip":
                         view.view(torch.int32).view(-1)[7] ^= 1 << 3
-            return super().layout_digests(names)
+            return super().layout_digests(names, into)
 
         def _copy_shard(self, global_name, shard):
             super()._copy_shard(global_name, shard)
@@ -556,6 +556,28 @@ def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
         assert [fp(t) for t in (x, strided, x[:, 4:12], x.view(4, 6, 16))] == whole
     finally:
         fingerprint._CACHE_CHUNK_BYTES = saved
+
+
+def test_a_batch_of_fingerprints_equals_each_one_alone():
+    """fingerprint.Fingerprints (the word sums per part, the weighting of all parts at once) gives each key the
+    sum of weight_fingerprint over its parts: words of 32 bits (fp32, bf16 pairs), 16 (bf16 with an odd last
+    dim) and 64 (fp64), strided views, 0-d and 1-D parts, origins; keys in any order, one only touched (0)."""
+    from hybridrl.placement.fingerprint import Fingerprints, weight_fingerprint as fp
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 16, generator=g)
+    parts = [("a", x, (0, 0)), ("b", x[:, 3:9], (5, 3)), ("a", x.to(torch.bfloat16)[:7], (24, 0)),
+             ("c", torch.randn(5, 7, generator=g).to(torch.bfloat16), (1, 2)), ("b", torch.randn(9, generator=g), (0, 16)),
+             ("c", torch.randn(3, 4, 2, generator=g).double(), (0, 0)), ("d", torch.tensor(2.5), (0, 0)),
+             ("a", x.view(12, 2, 16)[:, 0], (30, 0))]
+    batch = Fingerprints(x.device)
+    for key, t, origin in parts:
+        batch.add(key, t, origin)
+    batch.touch("e")
+    keys = ["d", "c", "e", "b", "a"]
+    alone = [sum((fp(t, o) for k, t, o in parts if k == key), torch.tensor(0)) for key in keys]
+    assert batch.result(keys).tolist() == [int(a) for a in alone]
+    assert batch.result(["a"]).tolist() != batch.result(["b"]).tolist() and "e" in batch and "f" not in batch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,8 @@ column-parallel tensors, two for gate/up, column bands for row-parallel ones; vo
 out). The position-weighted fingerprint is linear over pieces placed at their origin
 (`fingerprint.weight_fingerprint`), so each training rank digests its own shard once, split by the
 rollout ranks' pieces, and the sums over the replica (one all-reduce per bucket over TP, one over PP)
-are what each rollout rank must have stored; its engine digests its parameter where it holds it.
+are what each rollout rank must have stored; its engine digests its parameter where it holds it. Both
+ends digest a bucket's tensors as one `Fingerprints` batch (a few ops per bucket, not per tensor).
 Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel or gate/up tensor
 is gathered rank-major into one scratch and reordered by the one copy that writes the engine's
 parameter. Used by `reshard.update_engine_weights` where `sends_engine_layout` (engines that offer
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import weight_state
-from hybridrl.placement.fingerprint import weight_fingerprint
+from hybridrl.placement.fingerprint import Fingerprints
 
 
 def _spans(global_name: str, shape: tuple, spec: GPTSpec, tp: int, tp_rank: int) -> list:
@@ -77,29 +78,41 @@ def shard_shape(global_name: str, spec: GPTSpec, tp: int) -> tuple:
     return tuple(n // tp if d == dim else n for d, n in enumerate(full))
 
 
-def source_digests(global_name: str, shard: torch.Tensor, spec: GPTSpec, tp: int, tp_rank: int,
-                   rollout_tp: int) -> torch.Tensor:
-    """[rollout_tp] int64: the fingerprint of the part of this shard each rollout-TP rank stores."""
-    out = []
+def add_source_parts(fp: Fingerprints, key, global_name: str, shard: torch.Tensor, spec: GPTSpec, tp: int,
+                     tp_rank: int, rollout_tp: int) -> None:
+    """Add into fp, under (key, k), the part of this shard that rollout-TP rank k stores, for every k."""
     shape = shard_shape(global_name, spec, rollout_tp)
     for k in range(rollout_tp):
+        fp.touch((key, k))
         boxes = _boxes(global_name, shape, spec, rollout_tp, k)
-        total = torch.zeros((), dtype=torch.int64, device=shard.device)
         for view, origin in pieces(global_name, shard, spec, tp, tp_rank):
             for box in boxes:
                 part = _overlap(view, origin, box)
                 if part is not None:
-                    total = total + weight_fingerprint(*part)
-        out.append(total)
-    return torch.stack(out)
+                    fp.add((key, k), *part)
+
+
+def source_digests(global_name: str, shard: torch.Tensor, spec: GPTSpec, tp: int, tp_rank: int,
+                   rollout_tp: int) -> torch.Tensor:
+    """[rollout_tp] int64: the fingerprint of the part of this shard each rollout-TP rank stores."""
+    fp = Fingerprints(shard.device)
+    add_source_parts(fp, 0, global_name, shard, spec, tp, tp_rank, rollout_tp)
+    return fp.result([(0, k) for k in range(rollout_tp)])
+
+
+def add_stored_parts(fp: Fingerprints, key, global_name: str, param: torch.Tensor, spec: GPTSpec, tp: int,
+                     tp_rank: int) -> None:
+    """Add into fp, under `key`, what an engine at (tp, tp_rank) holds of a megatron tensor, read from `param`."""
+    fp.touch(key)
+    for view, origin in pieces(global_name, param, spec, tp, tp_rank):
+        fp.add(key, view, origin)
 
 
 def stored_digest(global_name: str, param: torch.Tensor, spec: GPTSpec, tp: int, tp_rank: int) -> torch.Tensor:
     """The fingerprint of what an engine at (tp, tp_rank) holds of a megatron tensor, read from `param`."""
-    total = torch.zeros((), dtype=torch.int64, device=param.device)
-    for view, origin in pieces(global_name, param, spec, tp, tp_rank):
-        total = total + weight_fingerprint(view, origin)
-    return total
+    fp = Fingerprints(param.device)
+    add_stored_parts(fp, 0, global_name, param, spec, tp, tp_rank)
+    return fp.result([0])[0]
 
 
 def words_align(global_name: str, spec: GPTSpec, tp: int, rollout_tp: int, dtype: torch.dtype) -> bool:
@@ -112,14 +125,14 @@ def words_align(global_name: str, spec: GPTSpec, tp: int, rollout_tp: int, dtype
     return all(w % per_word == 0 for w in widths)
 
 
-def append_source_digest(digests: list, g: str, shard, spec: GPTSpec, groups, rt: int, device, verify: str) -> None:
-    """Append this rank's share of the sources' digests of `g` for each rollout-TP rank (zeros where it
-    holds no part of it: another stage, or a TP-replicated tensor on TP ranks > 0)."""
-    if verify == "off":
-        return
-    contributes = shard is not None and (groups.tp_rank == 0 or hc.tp_split_dim(g) is not None)
-    digests.append(source_digests(g, shard, spec, groups.tp, groups.tp_rank, rt) if contributes
-                   else torch.zeros(rt, dtype=torch.int64, device=device))
+def add_source_digest(fp: Fingerprints, g: str, shard, spec: GPTSpec, groups, rt: int) -> None:
+    """Add this rank's share of the sources' digests of `g` for each rollout-TP rank k into (g, k) (nothing where
+    it holds no part of it: another stage, or a TP-replicated tensor on TP ranks > 0)."""
+    if shard is not None and (groups.tp_rank == 0 or hc.tp_split_dim(g) is not None):
+        add_source_parts(fp, g, g, shard, spec, groups.tp, groups.tp_rank, rt)
+    else:
+        for k in range(rt):
+            fp.touch((g, k))
 
 
 def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bool:
@@ -156,10 +169,9 @@ class Scratch:
         return buf[:n].view(shape)
 
 
-def check_digests(names: list, sent: torch.Tensor, stored: dict, spec: GPTSpec, error) -> None:
+def check_digests(names: list, sent: torch.Tensor, theirs: torch.Tensor, spec: GPTSpec, error) -> None:
     """Each engine-read digest equals the sum of the sources' digests of that slice (one host sync)."""
-    theirs = torch.stack([stored[n].to(sent.device) for n in names])
-    bad = (sent != theirs).nonzero().flatten().tolist()
+    bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()
     if bad:
         i = bad[0]
         raise error(f"engine's stored copy of {names[i]!r} (HF {', '.join(hc.hf_sources(names[i], spec))}) differs "

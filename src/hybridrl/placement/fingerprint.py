@@ -97,6 +97,22 @@ def _row_and_column_sums(bits: torch.Tensor) -> tuple:
     return row_sums, col_sums
 
 
+def _word_sums(t: torch.Tensor, origin: tuple[int, int]) -> tuple:
+    """(row sums, column sums, row and column position weights, word bytes) of t placed at `origin`."""
+    bits = t.detach()
+    bits = _as_words(bits.reshape(1) if bits.dim() == 0 else bits)
+    row0, col0 = origin
+    col0 = col0 * t.element_size() // bits.element_size()
+    if bits.dim() == 1:
+        row_sums, col_sums = bits.sum(dim=0, keepdim=True, dtype=bits.dtype), bits
+    else:
+        row_sums, col_sums = _row_and_column_sums(bits)
+    row_sums = row_sums.reshape(-1)
+    m = _weights(row0 + row_sums.numel(), bits.device, "row")[row0:]
+    w = _weights(col0 + col_sums.numel(), bits.device, "col")[col0:]
+    return row_sums, col_sums, m, w, bits.element_size()
+
+
 def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """A 0-d int64 tensor on t's device from two integer reductions over t's raw bits (no host copy).
 
@@ -110,19 +126,61 @@ def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> tor
     (bit k of a word) changes F by (m_r + w_c) * 2^(64-b+k): odd times a power of two below 2^64,
     never 0, so it is always caught; a wrong slice, a swapped or transposed block or stale data goes
     unseen only by a ~2^-b coincidence. Equal bits in equal order at equal origins give equal F.
+    Many small tensors: `Fingerprints` gives the same values with a few ops per batch, not per tensor.
     """
-    bits = t.detach()
-    bits = _as_words(bits.reshape(1) if bits.dim() == 0 else bits)
-    row0, col0 = origin
-    col0 = col0 * t.element_size() // bits.element_size()
-    if bits.dim() == 1:
-        row_sums, col_sums = bits.sum(dim=0, keepdim=True, dtype=bits.dtype), bits
-    else:
-        row_sums, col_sums = _row_and_column_sums(bits)
-    m = _weights(row0 + row_sums.numel(), bits.device, "row")[row0:].view(row_sums.shape)
-    w = _weights(col0 + col_sums.numel(), bits.device, "col")[col0:]
+    row_sums, col_sums, m, w, size = _word_sums(t, origin)
     mixed = (row_sums.long() * m).sum() + (col_sums.long() * w).sum()
-    return mixed * (1 << (64 - 8 * bits.element_size())) + t.numel() if bits.element_size() < 8 else mixed + t.numel()
+    return mixed * (1 << (64 - 8 * size)) + t.numel() if size < 8 else mixed + t.numel()
+
+
+class Fingerprints:
+    """`weight_fingerprint`s of many tensors (or pieces at their origins), summed per key: each part's word sums
+    are taken as it is added (the one pass over its bytes), the weighting of every part's sums at once in
+    `result`. A small tensor's fingerprint is a dozen tiny ops, each costing more than its bytes; a batch pays
+    them once. The parts' bytes are read when added, but a 1-D part's words are kept as views until `result`:
+    they must not change in between."""
+
+    def __init__(self, device):
+        self.device = device
+        self._groups = {}  # word bytes -> ([sums], [weights], [key index per part], [length per part])
+        self._index, self._numel = {}, []
+
+    def add(self, key, t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> None:
+        """Add the fingerprint of t placed at `origin` into `key`'s."""
+        k = self._slot(key)
+        row_sums, col_sums, m, w, size = _word_sums(t, origin)
+        sums, weights, slots, lengths = self._groups.setdefault(size, ([], [], [], []))
+        sums += [row_sums, col_sums]
+        weights += [m, w]
+        slots.append(k)
+        lengths.append(row_sums.numel() + col_sums.numel())
+        self._numel[k] += t.numel()
+
+    def touch(self, key) -> None:
+        """`key` gets a digest even with no part (0, as a tensor with no part: one that holds nothing)."""
+        self._slot(key)
+
+    def _slot(self, key) -> int:
+        if key not in self._index:
+            self._index[key] = len(self._numel)
+            self._numel.append(0)
+        return self._index[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._index
+
+    def result(self, keys) -> torch.Tensor:
+        """[len(keys)] int64: each key's fingerprint (the sum over its parts; 0 for a key without any)."""
+        out = torch.tensor(self._numel + [0], dtype=torch.int64, device=self.device)
+        for size, (sums, weights, slots, lengths) in self._groups.items():
+            mixed = torch.cat(sums).long() * torch.cat(weights).to(self.device)
+            segment = torch.repeat_interleave(torch.tensor(slots, device=self.device),
+                                              torch.tensor(lengths, device=self.device))
+            per_key = torch.zeros(len(self._numel) + 1, dtype=torch.int64, device=self.device)
+            per_key.index_add_(0, segment, mixed)
+            out += per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
+        missing = len(self._numel)
+        return out[torch.tensor([self._index.get(k, missing) for k in keys], device=self.device)]
 
 
 _CHUNK_ELEMS = 1 << 24  # bounds the host copy when hashing a GPU tensor

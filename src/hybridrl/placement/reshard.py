@@ -26,7 +26,7 @@ from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
 from hybridrl.placement import engine_layout as el
-from hybridrl.placement.fingerprint import VERIFY_MODES, hf_region, weight_digest
+from hybridrl.placement.fingerprint import VERIFY_MODES, Fingerprints, hf_region, weight_digest
 from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, check_identity, require_reported,
                                          shard_hf_parts, stored_shard_error)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
@@ -310,37 +310,40 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     targets = engine.layout_targets(names)
     scratch = el.Scratch(dtype, next(iter(targets.values())).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
-    bucket, digests, stored, held = [], [], {}, 0
+    device = scratch.device
+    bucket, digests, stored, held = [], Fingerprints(device), Fingerprints(device), 0
     pending = []  # the tensor written last: the engine reads it back while the next one moves
 
     def read_back():
         if verify != "off" and pending:
-            stored.update(engine.layout_digests(pending))
+            engine.layout_digests(pending, stored)
         pending.clear()
 
     def flush():
         read_back()
         if verify != "off":
-            sent = el.reduce_digests(torch.stack(digests), groups)[:, rr]
+            sent = digests.result([(g, k) for g in bucket for k in range(rt)]).view(len(bucket), rt)
+            sent = el.reduce_digests(sent, groups)[:, rr]
             require_reported(bucket, stored)
-            el.check_digests(bucket, sent, stored, spec, HandoffError)
+            el.check_digests(bucket, sent, stored.result(bucket), spec, HandoffError)
         return 1, max(max_bucket, held)
 
     for g in names:
         size = _full_bytes(g, spec, groups.tp, dtype)
         if bucket and held + size > bucket_bytes:
             n_new, max_bucket = flush()
-            n_buckets, bucket, digests, held = n_buckets + n_new, [], [], 0
-            stored.clear()
+            n_buckets, bucket, held = n_buckets + n_new, [], 0
+            digests, stored = Fingerprints(device), Fingerprints(device)
         param, full_shape = targets[g], hc.mcore_full_shape(g, spec, groups.tp)
         direct = rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
         into = (lambda shape, p=param: p) if direct else scratch.full
         owner = hc.owner_stage(g, spec, groups.pp)
         shard = source_tensor(local, g) if groups.pp_rank == owner else None
 
-        def meanwhile(g=g, shard=shard, device=param.device):  # touches nothing the collective writes:
+        def meanwhile(g=g, shard=shard):  # touches nothing the collective writes:
             # the sender's digest of its shard (zeros if it holds none) and the previous tensor's read-back
-            el.append_source_digest(digests, g, shard, spec, groups, rt, device, verify)
+            if verify != "off":
+                el.add_source_digest(digests, g, shard, spec, groups, rt)
             read_back()
 
         full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \

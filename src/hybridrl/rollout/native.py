@@ -34,8 +34,8 @@ from hybridrl.models.hf_config import check_parallel_layout
 from hybridrl.placement.offload import TensorStash
 from hybridrl.placement.reshard import RolloutGroups, join_requests, new_rollout_groups
 from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, left_align_routes, pack_output
-from hybridrl.placement.engine_layout import stored_digest
-from hybridrl.placement.fingerprint import Stored, hf_region, weight_digest
+from hybridrl.placement.engine_layout import add_stored_parts
+from hybridrl.placement.fingerprint import Fingerprints, Stored, hf_region, weight_digest
 from hybridrl.rollout.continuous_batching import SlotBatch
 from hybridrl.rollout.lean_decode import LeanGPT
 from hybridrl.rollout.megatron_static import generate_static
@@ -211,11 +211,12 @@ class NativeEngine:
         else:
             param.copy_(full.chunk(tp, dim=hc.tp_split_dim(name))[rank])
 
-    def layout_digests(self, names: Iterable[str]) -> dict:
-        """{name: fingerprint of what the parameter holds of that megatron tensor, at its place in the merged
-        tensor} (`engine_layout.stored_digest`), read back after a `layout_targets` handoff."""
-        return {n: stored_digest(n, self.params[self._own_name(n)], self.spec, self.groups.tp, self.groups.tp_rank)
-                for n in names}
+    def layout_digests(self, names: Iterable[str], into: Fingerprints) -> None:
+        """Add into `into`, under each name, the fingerprint of what the parameter holds of that megatron tensor
+        at its place in the merged tensor (`engine_layout.add_stored_parts`), read back after a
+        `layout_targets` handoff."""
+        for n in names:
+            add_stored_parts(into, n, n, self.params[self._own_name(n)], self.spec, self.groups.tp, self.groups.tp_rank)
 
     # ---- shared weights: the trainer's own tensors, no copy ------------------------------------
 
