@@ -451,12 +451,13 @@ def test_peak_memory_within_one_bucket_plus_largest_tensor(runs, tp):
 
 
 def _fingerprint_allowance(spec) -> int:
-    """By hand: 128 bytes per row and column of the tensor with most of them, 4 KiB, 48 per HF tensor."""
+    """By hand: 128 bytes per row and column of the tensor with most of them, 48 per pending word sum of the
+    two fingerprint batches (2^14 each), 4 KiB, 48 per HF tensor."""
     from hybridrl.models import hf_convert as hc
 
     shapes = [hc.mcore_full_shape(g, spec, 1) for g in hc.hf_to_mcore_name_map(spec)]
     most = max((s[0] if len(s) > 1 else 1) + s[-1] for s in shapes)
-    return 128 * most + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
+    return 128 * most + 2 * 48 * 2**14 + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
 
 
 @pytest.mark.distributed
@@ -484,7 +485,7 @@ def test_peak_memory_bound_holds_where_bucket_and_scratch_fill_it(runs):
         assert off.largest_tensor_bytes <= off.peak_extra_bytes <= off.largest_tensor_bytes * 3 // 2, off
         assert exact.peak_extra_bytes > exact.bucket_bytes + exact.largest_tensor_bytes, "bucket + scratch + check"
         assert hc.mcore_full_shape("decoder.layers.0.mlp.linear_fc1.weight", spec) == (1024, 256)
-        assert fp.verify_bytes == _fingerprint_allowance(spec) == 128 * 1280 + 4096 + 48 * 50
+        assert fp.verify_bytes == _fingerprint_allowance(spec) == 128 * 1280 + 96 * 2**14 + 4096 + 48 * 50
         assert exact.verify_bytes == 2 * 2**20 and off.verify_bytes == 0
 
 
@@ -558,11 +559,16 @@ def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
         fingerprint._CACHE_CHUNK_BYTES = saved
 
 
-def test_a_batch_of_fingerprints_equals_each_one_alone():
-    """fingerprint.Fingerprints (the word sums per part, the weighting of all parts at once) gives each key the
+@pytest.mark.parametrize("fold", [2**14, 8])
+def test_a_batch_of_fingerprints_equals_each_one_alone(monkeypatch, fold):
+    """fingerprint.Fingerprints (the word sums per part, the weighting of the parts together) gives each key the
     sum of weight_fingerprint over its parts: words of 32 bits (fp32, bf16 pairs), 16 (bf16 with an odd last
-    dim) and 64 (fp64), strided views, 0-d and 1-D parts, origins; keys in any order, one only touched (0)."""
+    dim) and 64 (fp64), strided views, 0-d and 1-D parts, origins; keys in any order, one only touched (0);
+    weighted all at the end, or every few parts (FOLD_WORDS 8: a key's parts on both sides of a fold)."""
+    from hybridrl.placement import fingerprint
     from hybridrl.placement.fingerprint import Fingerprints, weight_fingerprint as fp
+
+    monkeypatch.setattr(fingerprint, "FOLD_WORDS", fold)
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(24, 16, generator=g)

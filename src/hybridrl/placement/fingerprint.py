@@ -133,17 +133,23 @@ def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> tor
     return mixed * (1 << (64 - 8 * size)) + t.numel() if size < 8 else mixed + t.numel()
 
 
+FOLD_WORDS = 1 << 14
+"""A `Fingerprints` batch weights its pending word sums once they reach this many (the part that crosses the
+line included), so what it holds stays bounded whatever the batch's size."""
+
+
 class Fingerprints:
     """`weight_fingerprint`s of many tensors (or pieces at their origins), summed per key: each part's word sums
-    are taken as it is added (the one pass over its bytes), the weighting of every part's sums at once in
-    `result`. A small tensor's fingerprint is a dozen tiny ops, each costing more than its bytes; a batch pays
-    them once. The parts' bytes are read when added, but a 1-D part's words are kept as views until `result`:
-    they must not change in between."""
+    are taken as it is added (the one pass over its bytes), the weighting of the parts' sums together, once
+    they reach FOLD_WORDS or at `result`. A small tensor's fingerprint is a dozen tiny ops, each costing more
+    than its bytes; a batch pays them once. A 1-D part's words are kept as views until weighted: they must not
+    change in between."""
 
     def __init__(self, device):
         self.device = device
         self._groups = {}  # word bytes -> ([sums], [weights], [key index per part], [length per part])
-        self._index, self._numel = {}, []
+        self._index, self._numel, self._pending = {}, [], 0
+        self._acc = None  # int64 [keys]: what the folded parts gave
 
     def add(self, key, t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> None:
         """Add the fingerprint of t placed at `origin` into `key`'s."""
@@ -155,6 +161,9 @@ class Fingerprints:
         slots.append(k)
         lengths.append(row_sums.numel() + col_sums.numel())
         self._numel[k] += t.numel()
+        self._pending += lengths[-1]
+        if self._pending >= FOLD_WORDS:
+            self._fold()
 
     def touch(self, key) -> None:
         """`key` gets a digest even with no part (0, as a tensor with no part: one that holds nothing)."""
@@ -169,16 +178,24 @@ class Fingerprints:
     def __contains__(self, key) -> bool:
         return key in self._index
 
-    def result(self, keys) -> torch.Tensor:
-        """[len(keys)] int64: each key's fingerprint (the sum over its parts; 0 for a key without any)."""
-        out = torch.tensor(self._numel + [0], dtype=torch.int64, device=self.device)
+    def _fold(self) -> None:
+        """Weight the pending parts' sums into the per-key accumulator."""
+        acc = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device)
+        if self._acc is not None:
+            acc[:self._acc.numel()] = self._acc
         for size, (sums, weights, slots, lengths) in self._groups.items():
             mixed = torch.cat(sums).long() * torch.cat(weights).to(self.device)
             segment = torch.repeat_interleave(torch.tensor(slots, device=self.device),
                                               torch.tensor(lengths, device=self.device))
-            per_key = torch.zeros(len(self._numel) + 1, dtype=torch.int64, device=self.device)
-            per_key.index_add_(0, segment, mixed)
-            out += per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
+            per_key = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
+            acc += per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
+        self._acc, self._groups, self._pending = acc, {}, 0
+
+    def result(self, keys) -> torch.Tensor:
+        """[len(keys)] int64: each key's fingerprint (the sum over its parts; 0 for a key without any)."""
+        self._fold()
+        out = torch.cat([self._acc + torch.tensor(self._numel, dtype=torch.int64, device=self.device),
+                         torch.zeros(1, dtype=torch.int64, device=self.device)])
         missing = len(self._numel)
         return out[torch.tensor([self._index.get(k, missing) for k in keys], device=self.device)]
 

@@ -26,7 +26,7 @@ from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
 from hybridrl.placement import engine_layout as el
-from hybridrl.placement.fingerprint import VERIFY_MODES, Fingerprints, hf_region, weight_digest
+from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digest
 from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, check_identity, require_reported,
                                          shard_hf_parts, stored_shard_error)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
@@ -247,13 +247,15 @@ class HandoffReport:
 def verify_bytes(spec: GPTSpec, tp: int, dtype: torch.dtype, mode: str) -> int:
     """An upper bound of what checking the handoff allocates beside the bucket and the scratch.
 
-    fingerprint: one tensor is fingerprinted at a time, at each end; for r rows and c columns (leading
-    dims flattened) its word sums (<= 8 bytes each), their int64 copies and weighted products (16),
-    the position-weight tables (`fingerprint._weights`, <= 16 per row and column, grown once per
-    process) and, while one grows, up to four int64 temporaries of twice its length (<= 64 per row or
-    column): <= 104 bytes per row and column, 128 counted, + 4 KiB of scalars; and per HF tensor
-    the sender's and the engine's 0-d digests, their stacked copies and the comparison (<= 48
-    bytes). exact: one contiguous copy of a slice and one host chunk of <= 2^24 elements.
+    fingerprint: for the tensor with most rows and columns r + c (leading dims flattened) its word sums
+    (<= 8 bytes each), their int64 copies and weighted products (16), the position-weight tables
+    (`fingerprint._weights`, <= 16 per row and column, grown once per process) and, while one grows, up
+    to four int64 temporaries of twice its length (<= 64 per row or column): <= 104 bytes per row and
+    column, 128 counted; the pending sums of the batches at both ends (`fingerprint.Fingerprints`, up to
+    FOLD_WORDS each before they are weighted: kept 4, concatenated 4, widened 8, weights 8, products 8,
+    segment ids 8: 48 bytes per sum) + 4 KiB of scalars; and per HF tensor the sender's and the engine's
+    digests, their gathered copies and the comparison (<= 48 bytes). exact: one contiguous copy of a
+    slice and one host chunk of <= 2^24 elements.
     """
     if mode == "off":
         return 0
@@ -262,7 +264,7 @@ def verify_bytes(spec: GPTSpec, tp: int, dtype: torch.dtype, mode: str) -> int:
         largest = max(torch.Size(s).numel() for s in shapes) * dtype.itemsize
         return largest + min(largest, 2**24 * dtype.itemsize)
     rows_cols = max(torch.Size(s[:-1]).numel() + s[-1] for s in shapes)
-    return 128 * rows_cols + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
+    return 128 * rows_cols + 2 * 48 * FOLD_WORDS + 4096 + 48 * len(hc.mcore_to_hf_name_map(spec))
 
 
 def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
