@@ -269,8 +269,7 @@ class _Server:
         self.answers = 0
 
     def gather_spans(self):
-        parts = to_leader(self.timeline.take())
-        return [x for part in parts for x in part] if self.leader else None
+        return spans_to_leader(self.timeline)
 
     def answer(self, msg, version: int, partial=None) -> int:
         """Generate and send one request; returns the weight version the engine holds afterwards (partial
@@ -279,7 +278,7 @@ class _Server:
         self.answers += 1
         if partial is not None:
             partial.version = version
-            partial.begin()
+            partial.begin(self.answers)
         outbox, failed = queue.Queue(), []
         sender = threading.Thread(target=self._send_all, args=(outbox, failed, msg["counts"]), daemon=True)
         if self.leader:  # the only rollout rank that talks to the trainers
@@ -337,6 +336,13 @@ def to_leader(obj) -> list | None:
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, parts, dst=0)
     return parts
+
+
+def spans_to_leader(timeline) -> list | None:
+    """The timeline spans of every rank of this role's world since the last call, as (global rank, phase, start,
+    end), on the role's first rank (None elsewhere; collective)."""
+    parts = to_leader(timeline.take())
+    return [x for part in parts for x in part] if parts is not None else None
 
 
 def _replica_share(lo: int, hi: int, groups) -> tuple[int, int]:

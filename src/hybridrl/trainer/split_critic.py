@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hybridrl.config import Config
 from hybridrl.parallel import liveness
 from hybridrl.parallel.split_world import Bridge, SplitWorld
-from hybridrl.trainer.split import talking_to, to_leader
+from hybridrl.trainer.split import spans_to_leader, talking_to
 from hybridrl.trainer.rollout_rows import tensor_bytes
 from hybridrl.trainer.step_batch import dp_rows, gather_dp, local_slice
 
@@ -204,8 +204,7 @@ def _gather_spans(timeline) -> list:
     first rank (collective over the critic ranks when the timeline is on; [] when it is off)."""
     if not timeline.enabled:
         return []
-    parts = to_leader(timeline.take())
-    return [x for part in parts for x in part] if parts is not None else []
+    return spans_to_leader(timeline) or []
 
 
 def _serve(msg, worker, groups, held: dict, batching, mini_batch_samples: int):

@@ -55,9 +55,9 @@ class _PartialWeights:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def begin(self) -> None:
-        self.steps, self.took = 0, False
-        self.answers += 1
+    def begin(self, answers: int) -> None:
+        """Answer number `answers` (1 for the first) begins."""
+        self.steps, self.took, self.answers = 0, False, answers
         if self.leader:  # weights claimed while queued stay announced: the first poll takes them
             self.store.compare_set(PARTIAL_KEY, "queued", "generating")
 
