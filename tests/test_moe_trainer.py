@@ -28,12 +28,12 @@ def test_ep2_and_pp2_first_step_equals_ep1(tmp_path, estimator):
     there the engine reports shifted routes for batch 2 only, and the disagreement jumps at that step alone."""
     export = lambda run: [f"trainer.export_hf_dir={tmp_path / run}/hf"]
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "ep1", MOE + ESTIMATORS[estimator] + export("ep1")))
-    _torchrun(tmp_path / "ep2", 2, MOE + ESTIMATORS[estimator] + ["parallel.expert_model_parallel_size=2"]
-              + export("ep2"))
+    run_distributed(_train, 2, TINY, _overrides(tmp_path / "ep2", MOE + ESTIMATORS[estimator] + [
+        "parallel.expert_model_parallel_size=2"] + export("ep2")))
     one = read_scalars(tmp_path / "ep1")
     if estimator == "grpo":
-        _torchrun(tmp_path / "pp2", 2, MOE + ESTIMATORS[estimator] + ["parallel.pipeline_model_parallel_size=2"],
-                  script=SHIFTED, env={"SHIFT_ROUTES_ON": "2"})
+        run_distributed(_train_shifting, 2, {2}, TINY, _overrides(tmp_path / "pp2", MOE + ESTIMATORS[estimator] + [
+            "parallel.pipeline_model_parallel_size=2"]))
         pp2 = read_scalars(tmp_path / "pp2")
         _same_first_step(one, pp2, estimator)
         diff = pp2["rollout/logprob_diff_mean"]
@@ -57,16 +57,17 @@ def _same_first_step(one, two, estimator):
         assert abs(a - b) <= tol, (key, a, b)
 
 
-def _train_with_shifted_routes(config_path, overrides):
-    """The trainer, with the engine reporting each token's experts shifted by one: if the actor's forwards
-    use the reported routes, its log-probs stop agreeing with the engine's."""
-    shift_routes({1})
+def _train_shifting(calls: set, config_path, overrides):
+    """The trainer, with the engine reporting each token's experts shifted by one on its generate calls `calls`
+    (1-based, per process): if the actor's forwards use the reported routes, its log-probs stop agreeing with
+    the engine's on those batches."""
+    shift_routes(calls)
     return _train(config_path, overrides)
 
 
 @pytest.mark.slow
 def test_the_actor_uses_the_engines_routes(tmp_path):
-    run_distributed(_train_with_shifted_routes, 1, TINY, _overrides(tmp_path, MOE + [
+    run_distributed(_train_shifting, 1, {1}, TINY, _overrides(tmp_path, MOE + [
         "trainer.total_training_steps=1", "algorithm.adv_estimator=grpo"]))
     assert read_scalars(tmp_path)["rollout/logprob_diff_mean"][1] > 1e-3  # against ~1e-7 with the true routes
 

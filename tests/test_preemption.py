@@ -87,7 +87,7 @@ def test_stop_file_and_time_limit(tmp_path):
     (tmp_path / "file" / "ckpt" / "STOP").touch()
     code, _, reason, _ = _stopped(run, tmp_path / "file")
     assert code == 75 and reason.startswith("stop file")
-    run = _start(tmp_path / "limit", ["trainer.max_runtime=00:00:06"])
+    run = _start(tmp_path / "limit", ["trainer.max_runtime=00:00:01"])
     code, _, reason, _ = _stopped(run, tmp_path / "limit")
     assert code == 75 and reason == "time limit"
 
