@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from test_trainer import ROOT, TINY, _overrides, _torchrun, assert_resumed, read_scalars
+from dist_helper import run_distributed
+from test_trainer import ROOT, TINY, _overrides, _torchrun, _train, assert_resumed, read_scalars
 
 SPLIT = ["placement.mode=split", "placement.rollout_world_size=1"]
 SAME = ("actor/", "critic/", "response_length/", "rollout/logprob_diff", "training/")
@@ -86,7 +87,8 @@ GRPO = ["actor.optim.lr=5e-3"]
 @pytest.fixture(scope="module")
 def gae_colocated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gae_colocated")
-    _colocated(tmp, GAE + ["trainer.total_training_steps=4", f"trainer.export_hf_dir={tmp}/hf"])
+    run_distributed(_train, 1, TINY, _overrides(tmp, GAE + ["trainer.total_training_steps=4",
+                                                         f"trainer.export_hf_dir={tmp}/hf"]))
     return tmp
 
 
@@ -100,7 +102,7 @@ def gae_split(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grpo_colocated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_colocated")
-    _colocated(tmp, GRPO + ["trainer.total_training_steps=3"])
+    run_distributed(_train, 1, TINY, _overrides(tmp, GRPO + ["trainer.total_training_steps=3"]))
     return tmp
 
 
