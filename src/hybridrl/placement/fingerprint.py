@@ -216,6 +216,17 @@ def weight_checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def weight_digests(tensors, mode: str) -> list:
+    """`weight_digest` of each tensor, in order; with "fingerprint" all of them in one `Fingerprints` batch."""
+    tensors = list(tensors)
+    if mode != "fingerprint" or not tensors:
+        return [weight_digest(t, mode) for t in tensors]
+    batch = Fingerprints(tensors[0].device)
+    for i, t in enumerate(tensors):
+        batch.add(i, t)
+    return list(batch.result(range(len(tensors))).unbind(0))
+
+
 def weight_digest(t: torch.Tensor, mode: str):
     """The digest `mode` ("fingerprint" or "exact") of t."""
     if mode == "fingerprint":

@@ -11,7 +11,7 @@ import torch
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.placement.fingerprint import weight_digest
+from hybridrl.placement.fingerprint import weight_digests
 
 
 class HandoffError(RuntimeError):
@@ -66,7 +66,7 @@ def stored_shard_error(parts: list, received: dict, verify: str) -> str | None:
             if received[hf].region != region:
                 raise HandoffError(f"engine stores slice {received[hf].region} of {hf!r}; "
                                    f"the shard sent holds {region}")
-        check_digests(names, [weight_digest(view, verify) for _, view, _ in parts], received, verify)
+        check_digests(names, weight_digests([view for _, view, _ in parts], verify), received, verify)
     except HandoffError as err:
         return str(err)
     return None

@@ -26,7 +26,7 @@ from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
 from hybridrl.placement import engine_layout as el
-from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digest
+from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digests
 from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, check_identity, require_reported,
                                          shard_hf_parts, stored_shard_error)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
@@ -275,8 +275,8 @@ def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verif
         if verify != "off":
             names = [n for n, _ in bucket]
             require_reported(names, received)
-            ours = [weight_digest(as_stored(hf_region(t, received[n].region), received[n].dtype), verify)
-                    for n, t in bucket]
+            ours = weight_digests([as_stored(hf_region(t, received[n].region), received[n].dtype) for n, t in bucket],
+                                  verify)
             check_digests(names, ours, received, verify)
         n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
         total += sum(t.nbytes for _, t in bucket)

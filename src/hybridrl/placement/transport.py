@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.placement.fingerprint import hf_region, weight_digest
+from hybridrl.placement.fingerprint import hf_region, weight_digests
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.hf_checkpoint import global_weight_state
 from hybridrl.placement.readback import HandoffError, shard_hf_parts, stored_shard_error
@@ -225,7 +225,7 @@ class WeightSender:
                          f"{[n for n, _ in self.plan[index]][:3]} as {self.dtype}")
             bucket = self._zeros(index)
         if self.verify != "off":
-            digests += [weight_digest(t, self.verify) for _, t in bucket]  # to the host at the end: no sync here
+            digests += weight_digests([t for _, t in bucket], self.verify)  # to the host at the end: no sync here
         slot = index % 2
         if in_flight[slot] is not None:
             in_flight[slot]()
@@ -326,7 +326,7 @@ class WeightReceiver:
         """Digests of the bytes received (appended to `received`, checked against the sender's at the end
         of the sync), then errors of the store: an engine copy that differs from them."""
         if self.verify != "off":
-            received += [weight_digest(t, self.verify) for _, t in bucket]
+            received += weight_digests([t for _, t in bucket], self.verify)
         if self.shards is not None:
             stored = engine.load_shards(bucket, self.verify)
             spec, tp, tp_rank = self.shards
@@ -336,14 +336,12 @@ class WeightReceiver:
         stored = engine.load_weights(bucket, self.verify)
         if self.verify == "off":
             return []
-        errors = []
-        for name, t in bucket:
-            if name not in stored:
-                errors.append(f"engine did not report tensor {name!r}: it was sent but not stored")
-            elif not _same(stored[name].digest, weight_digest(hf_region(t, stored[name].region), self.verify)):
-                errors.append(f"engine's stored copy of {name!r} (slice {stored[name].region}) differs from what "
-                              f"it received")
-        return errors
+        errors = [f"engine did not report tensor {name!r}: it was sent but not stored"
+                  for name, _ in bucket if name not in stored]
+        reported = [(name, t) for name, t in bucket if name in stored]
+        ours = weight_digests([hf_region(t, stored[name].region) for name, t in reported], self.verify)
+        return errors + [f"engine's stored copy of {name!r} (slice {stored[name].region}) differs from what it received"
+                         for (name, _), digest in zip(reported, ours) if not _same(stored[name].digest, digest)]
 
 
 def _host(digest):

@@ -35,7 +35,7 @@ from hybridrl.placement.offload import TensorStash
 from hybridrl.placement.reshard import RolloutGroups, join_requests, new_rollout_groups
 from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, left_align_routes, pack_output
 from hybridrl.placement.engine_layout import add_stored_parts
-from hybridrl.placement.fingerprint import Fingerprints, Stored, hf_region, weight_digest
+from hybridrl.placement.fingerprint import Fingerprints, Stored, hf_region, weight_digests
 from hybridrl.rollout.continuous_batching import SlotBatch
 from hybridrl.rollout.lean_decode import LeanGPT
 from hybridrl.rollout.megatron_static import generate_static
@@ -298,11 +298,11 @@ class NativeEngine:
     def _read_back(self, placed: list, verify: str) -> dict:
         if verify == "off":
             return {}
-        out = {}
-        for name, hf_dim in placed:
-            _, view, region = self._slots[name]
-            out[name] = Stored(region, weight_digest(view.reshape(-1) if hf_dim == 1 else view, verify), view.dtype)
-        return out
+        slots = [self._slots[name] for name, _ in placed]
+        digests = weight_digests([view.reshape(-1) if hf_dim == 1 else view
+                                  for (_, view, _), (_, hf_dim) in zip(slots, placed)], verify)
+        return {name: Stored(region, digest, view.dtype)
+                for (name, _), (_, view, region), digest in zip(placed, slots, digests)}
 
     def _check_ready(self) -> None:
         if self._stash is not None:

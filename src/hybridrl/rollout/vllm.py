@@ -51,7 +51,7 @@ from hybridrl.models.gpt import DTYPES, GPTSpec
 from hybridrl.models.hf_config import hf_config_from_spec
 from hybridrl.placement.reshard import join_requests, new_rollout_groups
 from hybridrl.rollout.base import RolloutOutput, SamplingParams, expand_requests, pack_output
-from hybridrl.placement.fingerprint import Stored, weight_digest
+from hybridrl.placement.fingerprint import Stored, weight_digests
 from hybridrl.rollout.vllm_layout import FUSED_EXPERTS, expert_params, stored_slice
 
 MIN_VLLM_VERSION = (0, 33, 0, 1)
@@ -121,11 +121,11 @@ def load_weights_on_worker(worker, weights, spec: GPTSpec, tp: int, tp_rank: int
     model.load_weights(weights=iter(weights))
     if verify == "off":
         return {}
-    experts, out = expert_params(params), {}
-    for name, tensor in weights:
-        view, region = stored_slice(name, params, spec, tp, tp_rank, experts)
-        out[name] = Stored(region, weight_digest(view.reshape(-1) if tensor.dim() == 1 else view, verify))
-    return out
+    experts = expert_params(params)
+    stored = [stored_slice(name, params, spec, tp, tp_rank, experts) for name, _ in weights]
+    digests = weight_digests([view.reshape(-1) if tensor.dim() == 1 else view
+                              for (view, _), (_, tensor) in zip(stored, weights)], verify)
+    return {name: Stored(region, digest) for (name, _), (_, region), digest in zip(weights, stored, digests)}
 
 
 def process_weights_on_worker(worker) -> None:
