@@ -147,6 +147,7 @@ class Fingerprints:
 
     def __init__(self, device):
         self.device = device
+        """Where the digests go while no part has been added; then where the parts' word sums are."""
         self._groups = {}  # word bytes -> ([sums], [weights], [key index per part], [length per part])
         self._index, self._numel, self._pending = {}, [], 0
         self._acc = None  # int64 [keys]: what the folded parts gave
@@ -179,25 +180,28 @@ class Fingerprints:
         return key in self._index
 
     def _fold(self) -> None:
-        """Weight the pending parts' sums into the per-key accumulator."""
-        acc = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device)
-        if self._acc is not None:
-            acc[:self._acc.numel()] = self._acc
+        """Weight the pending parts' sums into the per-key accumulator (on the device the sums are on)."""
+        acc = None
         for size, (sums, weights, slots, lengths) in self._groups.items():
-            mixed = torch.cat(sums).long() * torch.cat(weights).to(self.device)
-            segment = torch.repeat_interleave(torch.tensor(slots, device=self.device),
-                                              torch.tensor(lengths, device=self.device))
-            per_key = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device).index_add_(0, segment, mixed)
-            acc += per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
-        self._acc, self._groups, self._pending = acc, {}, 0
+            mixed = torch.cat(sums).long() * torch.cat(weights)
+            device = self.device = mixed.device
+            segment = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device))
+            per_key = torch.zeros(len(self._numel), dtype=torch.int64, device=device).index_add_(0, segment, mixed)
+            per_key = per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
+            acc = per_key if acc is None else acc + per_key
+        if self._acc is not None:
+            acc = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device) if acc is None else acc
+            acc[:self._acc.numel()] += self._acc
+        self._acc = acc if acc is not None else torch.zeros(len(self._numel), dtype=torch.int64, device=self.device)
+        self._groups, self._pending = {}, 0
 
     def result(self, keys) -> torch.Tensor:
         """[len(keys)] int64: each key's fingerprint (the sum over its parts; 0 for a key without any)."""
         self._fold()
-        out = torch.cat([self._acc + torch.tensor(self._numel, dtype=torch.int64, device=self.device),
-                         torch.zeros(1, dtype=torch.int64, device=self.device)])
+        out = torch.cat([self._acc + torch.tensor(self._numel, dtype=torch.int64, device=self._acc.device),
+                         torch.zeros(1, dtype=torch.int64, device=self._acc.device)])
         missing = len(self._numel)
-        return out[torch.tensor([self._index.get(k, missing) for k in keys], device=self.device)]
+        return out[torch.tensor([self._index.get(k, missing) for k in keys], device=self._acc.device)]
 
 
 _CHUNK_ELEMS = 1 << 24  # bounds the host copy when hashing a GPU tensor
