@@ -185,7 +185,8 @@ class Fingerprints:
         for size, (sums, weights, slots, lengths) in self._groups.items():
             mixed = torch.cat(sums).long() * torch.cat(weights)
             device = self.device = mixed.device
-            segment = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device))
+            segment = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device),
+                                              output_size=mixed.numel())  # known: no device-to-host sync
             per_key = torch.zeros(len(self._numel), dtype=torch.int64, device=device).index_add_(0, segment, mixed)
             per_key = per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
             acc = per_key if acc is None else acc + per_key
