@@ -1,15 +1,10 @@
-"""scripts/train_ppo.py with the native engine reporting each token's experts shifted by one, on the generate
-calls of this process named in SHIFT_ROUTES_ON (1-based, comma-separated): for torchrun, which starts a script
-and not a function. If the trainer's forwards use the reported routes (routing replay), its log-probs stop
-agreeing with the engine's on exactly those batches."""
-import os
-import runpy
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The native engine reporting each token's experts shifted by one on chosen generate calls of this process. If
+the trainer's forwards use the reported routes (routing replay), its log-probs stop agreeing with the engine's on
+exactly those batches. Under torchrun: `patched_run.py` with SHIFT_ROUTES_ON."""
 
 
 def shift_routes(calls: set) -> None:
+    """Generate calls `calls` (1-based) of this process report shifted routes."""
     from hybridrl.rollout.native import NativeEngine
 
     generate, count = NativeEngine.generate, [0]
@@ -22,10 +17,3 @@ def shift_routes(calls: set) -> None:
         return out
 
     NativeEngine.generate = shifted
-
-
-if __name__ == "__main__":
-    shift_routes({int(c) for c in os.environ["SHIFT_ROUTES_ON"].split(",")})
-    script = os.path.join(ROOT, "scripts", "train_ppo.py")
-    sys.argv = [script] + sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")

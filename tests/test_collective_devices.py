@@ -44,7 +44,7 @@ def _partial_rollout_flag():
     leader = dist.get_rank() == 0
     store, receiver = _Store(), _Receiver()
     partial = _PartialWeights(store if leader else None, receiver, None, leader, VIRTUAL)
-    partial.begin(1)
+    partial.begin()
     took = []
     for step in range(1, 13):
         if step == 6 and leader:

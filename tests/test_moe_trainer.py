@@ -12,7 +12,7 @@ from test_split_data_paths import bytes_by_stream
 from test_split_placement import _hf_weights
 from test_trainer import TINY, _overrides, _torchrun, _train, read_scalars
 
-SHIFTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shifted_routes.py")
+PATCHED_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patched_run.py")
 
 MOE = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2", "model.moe_intermediate_size=32",
        "actor.router_replay=rollout", "trainer.total_training_steps=3", "trainer.logger=[console,tensorboard]"]
@@ -84,7 +84,7 @@ def test_split_placement_carries_the_routes(tmp_path):
     _torchrun(tmp_path, 3, MOE + ["algorithm.adv_estimator=grpo", "parallel.expert_model_parallel_size=2",
                                   "placement.mode=split", "placement.rollout_world_size=1",
                                   "async_training.staleness_threshold=1", f"trainer.export_hf_dir={tmp_path}/hf"],
-              script=SHIFTED, env={"SHIFT_ROUTES_ON": "1"})
+              script=PATCHED_RUN, env={"SHIFT_ROUTES_ON": "1"})
     scalars = read_scalars(tmp_path)
     diff = scalars["rollout/logprob_diff_mean"]
     assert diff[1] > 1e-3 and len(diff) == 3, diff

@@ -17,7 +17,7 @@ class _Receiver:
 
 def _answer(partial, decode_steps: int) -> list:
     """The rollout replica generating one answer: the decode steps at which it took weights (0: at its end)."""
-    partial.begin(1)
+    partial.begin()
     took = [step for step in range(1, decode_steps + 1) if partial.between_steps()]
     before = partial.receiver.taken
     partial.end()
@@ -37,7 +37,7 @@ def _handshake():
     seen["queued_took"] = _answer(partial, 10)
     seen["after_end_claim"] = claim_answer(store)  # the answer is over: these weights wait for the next request
     queue_answer(store)
-    partial.begin(1)
+    partial.begin()
     took = [s for s in range(1, 6) if partial.between_steps()]
     seen["generating_claim"] = claim_answer(store)  # mid-answer, after decode step 5
     took += [s for s in range(6, 11) if partial.between_steps()]

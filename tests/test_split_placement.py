@@ -16,6 +16,7 @@ from dist_helper import run_distributed
 from test_trainer import ROOT, TINY, _overrides, _torchrun, _train, assert_resumed, read_scalars
 
 SPLIT = ["placement.mode=split", "placement.rollout_world_size=1"]
+PATCHED_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patched_run.py")
 SAME = ("actor/", "critic/", "response_length/", "rollout/logprob_diff", "training/")
 
 
@@ -138,22 +139,21 @@ def test_split_synchronous_equals_colocated(gae_colocated, gae_split, tmp_path):
 
 
 @pytest.mark.slow
-def test_streamed_chunks_give_the_whole_batch_step(tmp_path, monkeypatch):
+def test_streamed_chunks_give_the_whole_batch_step(tmp_path):
     """PPO at s = 1 with chunks of one prompt: reward, old/ref log-probs and values run per chunk as it
     arrives; the metrics equal the unstreamed s = 1 run (at s = 0 the synchronous test compares a streamed
     run with colocated). The actor's parameters are offloaded while the reference passes, so the deferred
     weight send that follows them must bring them back first (it read freed storage). The rollout ranks start
-    the second chunk of the first batch only once the trainer has begun a chunk's passes (streamed.HOLD_ENV):
-    without the hold, whether a pass overlapped generation was up to timing (it failed once under load)."""
-    from hybridrl.trainer.streamed import HOLD_ENV
-
-    monkeypatch.setenv(HOLD_ENV, "1")
+    the second chunk of the first batch only once the trainer has begun a chunk's passes (patched_run.py,
+    STREAM_HOLD_FILE): without the hold, whether a pass overlapped generation was up to timing (it failed once
+    under load)."""
     common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.total_training_steps=3",
               "actor.offload.params=true", "async_training.staleness_threshold=1",
               "data.max_response_length=16", "rollout.max_num_seqs=1"] + SPLIT  # a chunk takes ~32 decode steps
     _torchrun(tmp_path / "whole", 2, common + [f"trainer.timeline_dir={tmp_path}/whole/timeline"])
     proc = _torchrun(tmp_path / "streamed", 2, common + ["async_training.stream_prompts=1",
-                                                         f"trainer.timeline_dir={tmp_path}/streamed/timeline"])
+                                                         f"trainer.timeline_dir={tmp_path}/streamed/timeline"],
+                     script=PATCHED_RUN, env={"STREAM_HOLD_FILE": str(tmp_path / "a_pass_began")})
     assert "failed to bind" not in proc.stderr + proc.stdout  # rank 0 hosted the store torchrun's agent hosts
     _assert_same_run(read_scalars(tmp_path / "whole"), read_scalars(tmp_path / "streamed"), (1, 2, 3))
     from hybridrl.timeline import read_trace
@@ -469,19 +469,17 @@ def test_a_critic_of_its_own(gae_colocated, tmp_path):
 
 
 @pytest.mark.slow
-def test_partial_rollout_takes_new_weights_mid_generation(tmp_path, monkeypatch):
+def test_partial_rollout_takes_new_weights_mid_generation(tmp_path):
     """Staleness 1 with partial rollout: update k's weights reach the engine between two decode steps of
     batch k+1, so the rows it starts afterwards (one KV slot: 16 rows of up to 32 tokens, one after another)
     are not stale; a row keeps the oldest version that produced any of its tokens. Decoding of every batch
-    after the first waits at decode step 8 until the trainers announce the update (split_partial.HOLD_ENV), so that
-    every such step holds rows of both kinds on any machine, however busy (without the hold, whether the
-    update came mid-generation was up to timing)."""
-    from hybridrl.trainer.split_partial import HOLD_ENV
-
-    monkeypatch.setenv(HOLD_ENV, "8")
+    after the first waits at decode step 8 until the trainers announce the update (patched_run.py,
+    PARTIAL_HOLD_STEP), so that every such step holds rows of both kinds on any machine, however busy (without
+    the hold, whether the update came mid-generation was up to timing)."""
     _torchrun(tmp_path, 2, SPLIT + ["async_training.staleness_threshold=1", "async_training.partial_rollout=true",
                                     "data.train_batch_size=8", "data.max_response_length=32",
-                                    "rollout.max_num_seqs=1", "trainer.total_training_steps=5"])
+                                    "rollout.max_num_seqs=1", "trainer.total_training_steps=5"],
+              script=PATCHED_RUN, env={"PARTIAL_HOLD_STEP": "8"})
     scalars = read_scalars(tmp_path)
     mean, worst = scalars["rollout/staleness/mean"], scalars["rollout/staleness/max"]
     assert mean[1] == 0.0 and worst[1] == 0.0

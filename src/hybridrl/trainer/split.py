@@ -28,7 +28,6 @@ from hybridrl.placement.transport import (BYTES, MAX_BYTES, SENDER, WeightReceiv
                                           sends_shards, stream_members, weight_streams)
 from hybridrl.rollout.base import RolloutOutput, SamplingParams
 from hybridrl.trainer.split_partial import _PartialWeights, claim_answer, queue_answer
-from hybridrl.trainer.streamed import hold_for_pass
 from hybridrl.trainer.rollout_rows import (full_rows, group_messages, join_outputs, merge_messages, output_rows,
                                            row_versions, tensor_bytes)
 
@@ -266,7 +265,6 @@ class _Server:
         self.timeline, self.dp_of = timeline, dp_of
         """dp_of[r]: the DP rank of trainer rank r (the rows it receives are its DP group's)."""
         self.leader = world.rank == world.rollout_leader
-        self.answers = 0
 
     def gather_spans(self):
         return spans_to_leader(self.timeline)
@@ -275,10 +273,9 @@ class _Server:
         """Generate and send one request; returns the weight version the engine holds afterwards (partial
         rollout may have taken in new weights on the way)."""
         prompts, seeds, sampling = msg["prompts"], msg["seeds"], msg["sampling"]
-        self.answers += 1
         if partial is not None:
             partial.version = version
-            partial.begin(self.answers)
+            partial.begin()
         outbox, failed = queue.Queue(), []
         sender = threading.Thread(target=self._send_all, args=(outbox, failed, msg["counts"]), daemon=True)
         if self.leader:  # the only rollout rank that talks to the trainers
@@ -294,7 +291,6 @@ class _Server:
             a, b = _replica_share(lo, hi, self.groups)
             start_version = partial.version if partial is not None else version
             with self.timeline.span("gen"):
-                hold_for_pass(self.world.store, self.answers, lo)  # tests only
                 if self.agent is not None:
                     out = self.agent.generate(self.engine, prompts[a:b], sampling, seeds[a:b])
                 else:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,11 +25,6 @@ def claim_answer(store) -> bool:
     return any(store.compare_set(PARTIAL_KEY, state, "weights") == b"weights" for state in ("queued", "generating"))
 
 
-HOLD_ENV = "HYBRIDRL_TEST_PARTIAL_ROLLOUT_HOLD"
-"""Tests only: decode step n > 0 where each answer after the first waits (2 min at most) for the trainers' "weights",
-so they land mid-generation however busy the machine; unset in real runs, where decoding never waits."""
-
-
 class _PartialWeights:
     """Partial rollout on the rollout ranks (one engine replica): every `poll_steps` decode steps the
     replica's first rank looks at the handshake key, every rank of the replica agrees, and new weights are
@@ -45,7 +38,6 @@ class _PartialWeights:
         self.store, self.receiver, self.engine, self.leader, self.timeline = store, receiver, engine, leader, timeline
         self.device, self.poll_steps, self.steps = device, poll_steps, 0
         self.version = -1
-        self.hold_at, self.answers, self.took = int(os.environ.get(HOLD_ENV, "0")), 0, False
 
     def _agree(self, value: bool) -> bool:
         """The leader's `value` on every rank of the replica."""
@@ -55,9 +47,8 @@ class _PartialWeights:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def begin(self, answers: int) -> None:
-        """Answer number `answers` (1 for the first) begins."""
-        self.steps, self.took, self.answers = 0, False, answers
+    def begin(self) -> None:
+        self.steps = 0
         if self.leader:  # weights claimed while queued stay announced: the first poll takes them
             self.store.compare_set(PARTIAL_KEY, "queued", "generating")
 
@@ -68,19 +59,12 @@ class _PartialWeights:
         if not self._agree(self.leader and self._weights_announced()):
             return False
         self._receive()
-        self.took = True
         if self.leader:
             self.store.set(PARTIAL_KEY, "generating")
         return True
 
     def _weights_announced(self) -> bool:
-        hold = self.answers > 1 and 0 < self.hold_at <= self.steps and not self.took  # see HOLD_ENV
-        deadline = time.monotonic() + 120.0
-        while self.store.get(PARTIAL_KEY) != b"weights":
-            if not hold or time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        return self.store.get(PARTIAL_KEY) == b"weights"
 
     def _receive(self) -> None:
         with self.timeline.span("update_weights") if self.timeline else contextlib.nullcontext():  # inside `gen`

@@ -6,33 +6,8 @@ back in prompt order, so nothing after this point depends on the order in which 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 
 import torch
-
-HOLD_ENV = "HYBRIDRL_TEST_STREAM_HOLD"
-"""Tests only: when set, the rollout ranks start each chunk after the first of their first answer only once a
-trainer rank has begun the passes on a chunk (2 min at most), so a pass runs while the step's batch is still
-being generated however busy the machine; unset in real runs, where generation never waits."""
-_PASS_KEY = "test/streamed_pass"
-
-
-def announce_pass(store) -> None:
-    """A trainer rank begins the passes on a chunk (see HOLD_ENV)."""
-    if os.environ.get(HOLD_ENV):
-        store.set(_PASS_KEY, "1")
-
-
-def hold_for_pass(store, answer: int, lo: int) -> None:
-    """On a rollout rank, inside the `gen` span of the chunk starting at prompt `lo` of answer `answer` (1: the
-    first): wait for `announce_pass` (see HOLD_ENV)."""
-    deadline = time.monotonic() + 120.0
-    # polled: a blocking store.wait would hold the connection this rank's heartbeats go through
-    while os.environ.get(HOLD_ENV) and answer == 1 and lo > 0 and time.monotonic() < deadline:
-        if store.check([_PASS_KEY]):
-            return
-        time.sleep(0.01)
 
 
 def prompt_rows(prompts, lo: int, hi: int):
@@ -58,7 +33,6 @@ def sample_streamed(trainer, prompts, step: int, source: str):
         batch = trainer.assemble_batch(rows, sampling, out, True)
         with trainer.timer("reward"):
             scores = trainer.score(batch, rows, n)
-        announce_pass(trainer.remote.client.world.store)
         trainer.forward_passes(batch, source)
         parts.append((lo, batch, scores))
     parts.sort(key=lambda p: p[0])
