@@ -181,20 +181,19 @@ class Fingerprints:
 
     def _fold(self) -> None:
         """Weight the pending parts' sums into the per-key accumulator (on the device the sums are on)."""
-        acc = None
+        if self._groups:
+            self.device = next(iter(self._groups.values()))[0][0].device
+        acc = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device)
+        if self._acc is not None:
+            acc[:self._acc.numel()] = self._acc
         for size, (sums, weights, slots, lengths) in self._groups.items():
             mixed = torch.cat(sums).long() * torch.cat(weights)
-            device = self.device = mixed.device
-            segment = torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(lengths, device=device),
+            segment = torch.repeat_interleave(torch.tensor(slots, device=self.device),
+                                              torch.tensor(lengths, device=self.device),
                                               output_size=mixed.numel())  # known: no device-to-host sync
-            per_key = torch.zeros(len(self._numel), dtype=torch.int64, device=device).index_add_(0, segment, mixed)
-            per_key = per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
-            acc = per_key if acc is None else acc + per_key
-        if self._acc is not None:
-            acc = torch.zeros(len(self._numel), dtype=torch.int64, device=self.device) if acc is None else acc
-            acc[:self._acc.numel()] += self._acc
-        self._acc = acc if acc is not None else torch.zeros(len(self._numel), dtype=torch.int64, device=self.device)
-        self._groups, self._pending = {}, 0
+            per_key = torch.zeros_like(acc).index_add_(0, segment, mixed)
+            acc += per_key * (1 << (64 - 8 * size)) if size < 8 else per_key
+        self._acc, self._groups, self._pending = acc, {}, 0
 
     def result(self, keys) -> torch.Tensor:
         """[len(keys)] int64: each key's fingerprint (the sum over its parts; 0 for a key without any)."""

@@ -261,7 +261,7 @@ class _Server:
     the trainers to take it. Spans of every rollout rank ride along with the answers."""
 
     def __init__(self, control: Bridge, world: SplitWorld, engine, agent, groups, timeline, dp_of: list):
-        self.control, self.world, self.engine, self.agent, self.groups = control, world, engine, agent, groups
+        self.control, self.engine, self.agent, self.groups = control, engine, agent, groups
         self.timeline, self.dp_of = timeline, dp_of
         """dp_of[r]: the DP rank of trainer rank r (the rows it receives are its DP group's)."""
         self.leader = world.rank == world.rollout_leader
