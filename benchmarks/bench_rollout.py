@@ -15,7 +15,9 @@ on CUDA/XPU/TPU/Neuron devices (`_valid_auto_compile_criteria`; on CPU only with
 torch.compile; with --device cuda it is compiled as transformers does by default.
 Tokens/s counts generated tokens. Calls rotate the peers every round; medians are compared. Every
 cell also reports the matmul-only time of the tokens lean generates in it (its projections, attention
-and head GEMMs alone, on its weights) as the bound of any engine that does this arithmetic. Runs in one gloo (or NCCL) process:
+and head GEMMs alone, on its weights) as the bound of any engine that does this arithmetic. One
+more lean call per cell and round is instrumented (`_lean_parts`): its GEMMs as they run in the loop, the same
+GEMMs again at once, its attention, and the rest, which is where lean's time beyond that bound goes. Runs in one gloo (or NCCL) process:
 the engine needs torch.distributed.
 
     .venv/bin/python benchmarks/bench_rollout.py [--rounds 5] [--device cpu|cuda] [--threads 2] [--no-write]
@@ -173,6 +175,45 @@ def _matmul_only(engine, lengths: list):
     return run
 
 
+def _lean_parts(run, device: str) -> dict:
+    """{part: s} of one call of run() on the lean path: its projection and head GEMMs as they run in the
+    loop ("gemm"), each of them again at once on the same operands ("gemm_again": the same arithmetic with
+    its weight and code just used), its attention calls ("attention") and the whole call ("total").
+    Each GEMM and attention call is timed alone (a device sync on each side on CUDA), so this run is slower
+    than the timed ones; its parts say where lean's time goes, not how fast it is."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import hybridrl.rollout.lean_decode as ld
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    parts = dict.fromkeys(("gemm", "gemm_again", "attention"), 0.0)
+    matmul, sdpa = ld._matmul, F.scaled_dot_product_attention
+
+    def timed(part, fn, *args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        parts[part] += time.perf_counter() - start
+        return out
+
+    def gemm(*args):
+        out = timed("gemm", matmul, *args)
+        timed("gemm_again", matmul, *args)
+        return out
+
+    ld._matmul, F.scaled_dot_product_attention = gemm, lambda *a, **k: timed("attention", sdpa, *a, **k)
+    try:
+        parts["total"] = bl.timed(run)[0]
+    finally:
+        ld._matmul, F.scaled_dot_product_attention = matmul, sdpa
+    parts["total"] -= parts["gemm_again"]
+    return parts
+
+
 def _measure(case: str, rounds: int, device: str) -> dict:
     """{(mode, batch): {"times": {peer: [s]}, "tokens": {peer: n}, "same": {...}}} of one case."""
     import torch
@@ -196,6 +237,7 @@ def _measure(case: str, rounds: int, device: str) -> dict:
                     t, (outs[name], cell["tokens"][name]) = bl.timed(runners[name], mode, prompts)
                     cell["times"].setdefault(name, []).append(t)
                 cell.setdefault("matmul", []).append(bl.timed(matmul[(mode, batch)])[0])  # beside its peers
+                cell.setdefault("parts", []).append(_lean_parts(lambda: runners["lean"](mode, prompts), device))
                 cell["same"] = {name: torch.equal(outs["lean"], outs[name]) for name in PEERS[1:]}
     return res, runners, vocab
 
@@ -267,6 +309,21 @@ def _bound_table(res: dict) -> tuple[str, list]:
     return table, summary
 
 
+def _parts_table(res: dict) -> str:
+    """Where lean's time goes in every cell (medians over rounds of `_lean_parts`)."""
+    rows = []
+    for case in CASES:
+        for (mode, batch), cell in res[case].items():
+            part = {k: bl.median([p[k] for p in cell["parts"]]) for k in cell["parts"][0]}
+            rest = part["total"] - part["gemm"] - part["attention"]
+            rows.append([case, mode, batch] + [f"{part[k] * 1e3:.1f}" for k in ("total", "gemm", "gemm_again")]
+                        + [f"{part['gemm'] / part['gemm_again']:.2f}x", f"{part['attention'] * 1e3:.1f}",
+                           f"{rest * 1e3:.1f}", f"{rest / part['total']:.0%}", f"{bl.median(cell['matmul']) * 1e3:.1f}"])
+    return bl.table(["case", "mode", "batch", "lean ms (instrumented)", "its projections + head in the loop ms",
+                     "the same GEMMs again at once ms", "in the loop / again", "attention ms",
+                     "everything else ms", "everything else / lean", "matmul-only ms"], rows)
+
+
 def _verdicts(ratios: dict) -> tuple[str, list]:
     """Per target: the ratios against each HF peer; the verdict is against the stronger peer of each cell."""
     lines, summary = [], []
@@ -307,6 +364,11 @@ def report(res: dict, rounds: int, device: str, threads: int) -> tuple:
               "over the causal half in prefill and each live row's keys when decoding; the head over one row "
               "per sequence; rows that stopped leave the steps). Timed in every round beside the peers. "
               f"Target: lean <= {BOUND_TARGET:g}x it at batch 8 and 32.\n\n" + bound
+            + "\n\nWhere lean's time goes, one instrumented lean call per cell and round (`_lean_parts`; medians): "
+              "each projection and head GEMM timed as it runs in the decode loop, then run again at once on the "
+              "same operands (the same arithmetic, its weight and code just used), each attention call, and "
+              "everything else (norms, rotary, cache writes, sampling, scheduling, Python). Timing each call "
+              "alone makes this call slower than the timed ones.\n\n" + _parts_table(res)
             + f"\n\n<details><summary>Profiles</summary>\n\ncProfile, lean greedy fixed at batch 32 "
               f"(top by tottime):\n\n```\n{res['profile']}\n```{ops}\n\n</details>")
     return text, [row + stamp for row in summary]
