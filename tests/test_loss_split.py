@@ -5,7 +5,7 @@ One actor update (policy loss + entropy bonus + KL loss) and one critic update p
 from the same weights and on the same 8-row mini-batch (one row fully masked). Adam with eps=1 and
 no clipping is close to SGD, so parameters after the step follow the gradient's scale, not only its
 sign. References: the single micro-batch run at DP=1, and the losses `algos` computes on the whole
-mini-batch with log-probs taken before the update. A copy of the batch trimmed to its longest
+mini-batch with log-probs taken before the update (the seq-mean modes over all 8 rows, as verl's trainer). A copy of the batch trimmed to its longest
 response must give the same seq-mean-token-sum-norm update (the divisor is a constant).
 """
 import pytest
@@ -116,8 +116,11 @@ def _expected_losses(ref, mode):
     pg, _ = loss_fn(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, clip_low=0.2, clip_high=0.2,
                     agg_mode=mode, loss_scale_factor=R)
     kl = algos.agg_loss(algos.kl_penalty(ref["log_probs"], b["ref_log_probs"], "low_var_kl"), mask, mode, R)
-    return {"actor/pg_loss": pg.item(), "actor/kl_loss": kl.item(),
-            "actor/entropy": algos.agg_loss(ref["entropy"], mask, mode, R).item()}
+    # agg_loss of one batch leaves the row without a loss token out of the seq-mean; verl's trainer divides by
+    # every row of the mini-batch (its global_batch_size)
+    scale = 1.0 if mode == "token-mean" else float((mask.sum(-1) > 0).sum()) / B
+    return {"actor/pg_loss": pg.item() * scale, "actor/kl_loss": kl.item() * scale,
+            "actor/entropy": algos.agg_loss(ref["entropy"], mask, mode, R).item() * scale}
 
 
 @pytest.mark.distributed

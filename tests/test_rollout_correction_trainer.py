@@ -72,11 +72,19 @@ def _steps(tmp):
         metrics = trainer.train_step(prompts, 1, update=False)
         del roles.actor.update_policy
         out[name] = dict(metrics=metrics, seen=seen, source=trainer.old_log_prob_source)
-    out["estimators"] = _estimators(tmp, out["seq_mean_k1"]["seen"]["before"], layout, groups, tok, roles)
+    before = out["seq_mean_k1"]["seen"]["before"]
+    out["estimators"] = _estimators(tmp, before, layout, groups, tok, roles)
+    out["kl_estimators"] = _estimators(tmp, before, layout, groups, tok, roles, KL_IN_REWARD)
     return out
 
 
-def _estimators(tmp, before, layout, groups, tok, roles):
+KL_IN_REWARD = ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.type=fixed",
+                "algorithm.kl_ctrl.kl_coef=0.5", "algorithm.norm_adv_by_std_in_grpo=true"]
+REF_SHIFT = 0.1
+"""With KL_IN_REWARD the reference log-probs are old - REF_SHIFT * (row + 1) on every token: row r's k1 KL."""
+
+
+def _estimators(tmp, before, layout, groups, tok, roles, extra=()):
     """Every other advantage estimator (GAE is the runs' own) after seq_mean_k1's rejection, from the same
     batch: (advantages, mask)."""
     from hybridrl.algos import ADV_ESTIMATORS
@@ -86,11 +94,14 @@ def _estimators(tmp, before, layout, groups, tok, roles):
 
     out = {}
     for name in (n for n in ADV_ESTIMATORS if n != "gae"):
-        cfg = load_config(TINY, _overrides(tmp, BASE + SETTINGS["seq_mean_k1"] + [f"algorithm.adv_estimator={name}"]))
+        cfg = load_config(TINY, _overrides(tmp, BASE + SETTINGS["seq_mean_k1"] + [f"algorithm.adv_estimator={name}"]
+                                           + list(extra)))
         trainer = PPOTrainer(cfg, layout, groups, tok, dataclasses.replace(roles, critic=None), RewardManager(cfg.reward),
                              None)
         batch, scores = {k: v.clone() for k, v in before[0].items()}, before[1].clone()
         batch["baseline_scores"] = torch.zeros_like(scores)  # ReMax's greedy scores
+        rows = torch.arange(scores.shape[0], dtype=batch["old_log_probs"].dtype)[:, None] + 1
+        batch["ref_log_probs"] = batch["old_log_probs"] - REF_SHIFT * rows
         trainer.compute_advantages(batch, scores)
         out[name] = (batch["advantages"], batch["response_mask"])
     return out
@@ -152,6 +163,32 @@ def test_rejection_replaces_the_mask_before_the_advantages(runs):
     assert "rollout_is_weights" not in rs["seen"]
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_rows_rejection_masked_out_count_in_the_seq_mean_normaliser(mode):
+    """verl's trainer divides the seq-mean modes by every row of the mini-batch (global_batch_size =
+    ppo_mini_batch_size x n), rows masked out entirely by rejection sampling included, and token-mean by the
+    loss tokens. A mini-batch of 8 rows in 3 micro-batches, 3 rows masked out: the share-weighted micro-batch
+    losses (workers/update.py) against verl's formula by hand (before: the seq-mean modes over the 5 kept rows)."""
+    from hybridrl import algos
+    from hybridrl.workers.update import global_weights
+
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(8, 5, generator=g)
+    mask = (torch.rand(8, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    mask[[1, 4, 6]] = 0.0
+    cuts = ((0, 3), (3, 5), (5, 8))
+    engine = types.SimpleNamespace(groups=types.SimpleNamespace(dp=1))
+    shares = global_weights([{"response_mask": mask[a:b]} for a, b in cuts], mode, engine)
+    got = sum(w * algos.agg_loss(loss[a:b], mask[a:b], mode, loss_scale_factor=5.0) for w, (a, b) in zip(shares, cuts))
+    row_sums = (loss * mask).sum(-1)
+    expect = {"token-mean": row_sums.sum() / mask.sum(),
+              "seq-mean-token-sum": row_sums.sum() / 8,
+              "seq-mean-token-mean": (row_sums / mask.sum(-1).clamp(min=1)).sum() / 8,
+              "seq-mean-token-sum-norm": row_sums.sum() / 8 / 5.0}[mode]
+    assert float(got) == pytest.approx(float(expect), rel=1e-6)
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"])
 def test_every_estimator_sees_the_rejected_mask(runs, estimator):
     advantages, mask = runs["estimators"][estimator]
@@ -159,6 +196,26 @@ def test_every_estimator_sees_the_rejected_mask(runs, estimator):
     torch.testing.assert_close(mask, _odd_rows_zeroed(before))
     assert (advantages[1::2] == 0).all()
     assert (advantages * (1 - mask) == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_estimators_see_the_kl_penalty_in_the_reward(runs, estimator):
+    """verl sums each row's token rewards (score - coef * KL over the mask from before the rejection) for the
+    outcome estimators; by hand here: GRPO over groups of rollout.n = 2 (unbiased std + 1e-6), RLOO against the
+    other sample. Before the fix these took the raw scores, penalty left out (ties gave advantage 0)."""
+    batch, scores = runs["seq_mean_k1"]["seen"]["before"]
+    before = batch["response_mask"]
+    rows = torch.arange(scores.shape[0], dtype=torch.float32) + 1
+    penalised = (scores - 0.5 * REF_SHIFT * rows * before.sum(-1)).view(-1, 2)
+    if estimator == "grpo":
+        expect = (penalised - penalised.mean(-1, keepdim=True)) / (penalised.std(-1, keepdim=True) + 1e-6)
+    else:
+        expect = penalised - penalised.flip(-1)
+    advantages, mask = runs["kl_estimators"][estimator]
+    torch.testing.assert_close(advantages, expect.view(-1, 1) * mask, atol=1e-4, rtol=1e-4)
+    assert (advantages[0::2].abs() > 1e-3).all()  # every kept row learns, tied scores or not
+    plain, _ = runs["estimators"][estimator]
+    assert not torch.allclose(plain, advantages)
 
 
 def test_bypass_mode_corrects_inside_the_loss(runs):

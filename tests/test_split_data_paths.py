@@ -258,3 +258,44 @@ def test_a_bad_store_of_one_stage_stops_every_trainer_rank(tmp_path, rollout_tp,
     assert len(errors[0]) == 1 and errors[0] == errors[1], errors
     assert errors[0][0].startswith(f"error: engine's stored copy of '{bad}'"), errors  # not "rollout rank 2 died"
     assert verdict in errors[0][0], errors
+
+
+class _RecordingCritic:
+    """The critic ranks' worker as `_serve` drives it: values of zeros, the update's batch kept."""
+
+    def compute_values(self, batch, batching):
+        return torch.zeros(batch["response_mask"].shape)
+
+    def update_critic(self, batch, rows, batching, apply):
+        self.batch = batch
+        return {}
+
+
+def test_the_remote_critic_trains_on_the_mask_rejection_left():
+    """Trainer side (RemoteCritic's requests) and critic side (`_serve`) of one step, the bridge left out: the
+    values request, then rejection sampling replacing the response mask (trainer/rollout_correction.py), then
+    the update. The critic's update must see the replaced mask (it saw the one from before the rejection, held
+    from the values request); with the mask unchanged only the returns cross again."""
+    import types
+
+    from hybridrl.trainer.split_critic import RemoteCritic, _serve
+
+    groups = types.SimpleNamespace(dp=1, dp_rank=0, device=torch.device("cpu"))
+    batching = types.SimpleNamespace(critic_values=None, critic_update=None)
+    for rejected in (True, False):
+        critic, sent = RemoteCritic.__new__(RemoteCritic), []
+        critic.groups, critic.sent, critic.sent_mask, critic.on_wait = groups, None, None, None
+        critic._send = sent.append
+        mask = torch.ones(2, 3)
+        batch = {"input_ids": torch.arange(12).view(2, 6), "attention_mask": torch.ones(2, 6), "response_mask": mask}
+        critic.request_values(batch)
+        if rejected:
+            batch["response_mask"] = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+        batch["returns"] = torch.randn(2, 3)
+        critic.request_update(batch)
+        worker, held = _RecordingCritic(), {}
+        for msg in sent:
+            _serve(msg, worker, groups, held, batching, 2)
+        assert set(sent[1]["batch"]) == ({"returns", "response_mask"} if rejected else {"returns"})
+        torch.testing.assert_close(worker.batch["response_mask"], batch["response_mask"])
+        torch.testing.assert_close(worker.batch["returns"], batch["returns"])

@@ -259,11 +259,11 @@ KL_CTRL = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", 
 @pytest.mark.slow
 def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
     """Also the adaptive KL controller inside the trainer (its coefficient by hand from the logged KL, and
-    restored by the resume) and trainer.critic_warmup (the actor sits out step 1). The resumed leg logs to a
-    folder of its own: it must hold steps 5-8 only (a fresh start, deterministic, would give the same values
-    from step 1 on) and the run must say where it resumed."""
+    restored by the resume) and trainer.critic_warmup=2 (verl's count: the actor sits out step 1). The resumed
+    leg logs to a folder of its own: it must hold steps 5-8 only (a fresh start, deterministic, would give the
+    same values from step 1 on) and the run must say where it resumed."""
     common = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "trainer.save_freq=4",
-              "trainer.test_freq=4", "trainer.critic_warmup=1"] + KL_CTRL
+              "trainer.test_freq=4", "trainer.critic_warmup=2"] + KL_CTRL
     run_distributed(_train, 1, TINY, _overrides(tmp_path / "full", common + ["trainer.total_training_steps=8"]))
     # the full run's step-4 save (save_freq 4; constant learning rate: a run stopped at 4 saves the same state)
     # and its data, in a folder of their own: the resumed leg must take steps 5-8 from them alone

@@ -19,7 +19,8 @@ class TrainerConfig:
     total_epochs: int = 1
     """Epochs over the data when total_training_steps is 0."""
     critic_warmup: int = 0
-    """Steps that update only the critic before the actor starts learning."""
+    """The first step whose actor update runs, as verl counts it: steps 1 .. critic_warmup - 1 update only the
+    critic (0 and 1: the actor from the first step)."""
     test_freq: int = 10
     """Validate every this many steps and at the last; 0 disables, -1 only at the last step."""
     val_before_train: bool = True

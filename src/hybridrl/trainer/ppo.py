@@ -101,7 +101,7 @@ class PPOTrainer:
         t.reset()
         self.gen_versions = []
         step_start = time.perf_counter()
-        actor_steps = step > cfg.trainer.critic_warmup or self.critic is None
+        actor_steps = step >= cfg.trainer.critic_warmup or self.critic is None  # verl's count, steps from 1
         source = self.old_log_prob_source
         if source == "update" and not actor_steps:
             source = "pass"
@@ -336,8 +336,11 @@ class PPOTrainer:
         values = gather_dp(batch["values"], g) if "values" in batch else None
         baselines = gather_dp(batch["baseline_scores"], g) if "baseline_scores" in batch else None
         group_index = (torch.arange(mask.shape[0]) // self.cfg.rollout.n).tolist()
+        # the outcome estimators (GRPO, RLOO, ...) take each row's summed token rewards, as verl's do: with the
+        # KL penalty in the reward that is the score minus it (over the mask from before any rejection)
+        outcome = token_rewards.sum(-1) if a.use_kl_in_reward else all_scores
         adv, returns = algos.compute_advantages(
-            a.adv_estimator, token_rewards=token_rewards, scores=all_scores, values=values, response_mask=mask,
+            a.adv_estimator, token_rewards=token_rewards, scores=outcome, values=values, response_mask=mask,
             group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo,
             baseline_scores=baselines)
         if baselines is not None:  # ReMax: the greedy responses' mean score, what the samples are measured against

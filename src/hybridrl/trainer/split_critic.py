@@ -64,7 +64,7 @@ class RemoteCritic:
         self.rows_bytes = 0
         """Bytes of batch columns the critic ranks received from this rank (perf/rows_bytes): each critic rank
         its critic DP group's rows."""
-        self.sent = None
+        self.sent = self.sent_mask = None
         """The batch whose columns the critic ranks hold (from its `values` request)."""
         self.answers = 0
         self.spans = []
@@ -118,7 +118,7 @@ class RemoteCritic:
         self._waited(start)
 
     def request_values(self, batch) -> None:
-        self.sent = batch
+        self.sent, self.sent_mask = batch, batch["response_mask"]
         self._request("values", batch, VALUE_KEYS)
 
     def values(self) -> torch.Tensor:
@@ -129,10 +129,13 @@ class RemoteCritic:
         return self.values()
 
     def request_update(self, batch, apply: bool = True) -> None:
-        """The critic ranks still hold the columns and values of this batch's `values` request: returns only."""
+        """The critic ranks still hold the columns and values of this batch's `values` request: returns only, and
+        the response mask again where rejection sampling replaced it since."""
         held = batch is self.sent
-        self.sent = None
-        self._request("update", batch, ("returns",) if held else UPDATE_KEYS, apply=apply, held=held)
+        keys = (("returns",) if batch["response_mask"] is self.sent_mask else ("returns", "response_mask")) \
+            if held else UPDATE_KEYS
+        self.sent = self.sent_mask = None
+        self._request("update", batch, keys, apply=apply, held=held)
 
     def update_metrics(self) -> dict:
         return self._answer()

@@ -1,7 +1,7 @@
 """The optimizer-step loop shared by actor and critic: mini-batches → micro-batches → one step each.
 
 Each micro-batch loss is weighted by its share of the DP-global mini-batch normaliser (loss tokens
-for token-mean, rows with a loss token for the seq-mean modes), so gradients and reported losses
+for token-mean, every row for the seq-mean modes, as verl's global batch size), so gradients and reported losses
 are the mini-batch's `algos.agg_loss` whatever the micro-batch split and the DP size: fixed rows or
 a token budget, each micro-batch trimmed to its real columns (`micro_batches.py`).
 """
@@ -23,10 +23,14 @@ from hybridrl.workers.micro_batches import plan_micro_batches, scatter_rows, spl
 def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engine: ModelEngine) -> List[float]:
     """Share of each micro-batch in the DP-global mini-batch normaliser of `loss_agg_mode` `mode`.
 
-    A micro-batch with no loss token gets 0. The constant of seq-mean-token-sum-norm is not part
-    of the share: agg_loss divides by it (the same on every micro-batch)."""
+    A micro-batch with no loss token gets 0; the seq-mean shares of a mini-batch with rows masked out entirely
+    (rejection sampling) sum to less than 1, as verl's normaliser counts those rows. The constant of
+    seq-mean-token-sum-norm is not part of the share: agg_loss divides by it (the same on every micro-batch)."""
     sizes = [agg_loss_denominator(mb["response_mask"], mode) for mb in micro_batches]
-    total = dp_sum({"n": sum(sizes)}, engine.groups)["n"]
+    # verl's global_batch_size: the seq-mean modes divide by every row of the mini-batch, rows that rejection
+    # sampling masked out included (a micro-batch's own agg_loss divides by its rows with a loss token)
+    whole = sum(sizes) if mode == "token-mean" else sum(mb["response_mask"].shape[0] for mb in micro_batches)
+    total = dp_sum({"n": whole}, engine.groups)["n"]
     return [s / total if total > 0 else 0.0 for s in sizes]
 
 
