@@ -261,3 +261,28 @@ def test_vllm_engine_dtype_must_match_a_verified_handoff():
     assert "set rollout.dtype=float32" in _layout_error(vllm, 1)
     derive_layout(load_config(TINY, vllm + ["rollout.dtype=float32"]), 1)
     derive_layout(load_config(TINY, vllm + ["rollout.verify_weights=off"]), 1)
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("actor.optim.lr=inf", "actor.optim.lr", "inf"),
+    ("algorithm.kl_ctrl.kl_coef=nan", "algorithm.kl_ctrl.kl_coef", "nan"),
+    ("critic.optim.clip_grad=-inf", "critic.optim.clip_grad", "-inf"),
+    ("actor.optim.betas=[0.9,nan]", "actor.optim.betas[1]", "nan"),
+])
+def test_floats_must_be_finite(override, key, value):
+    assert _error([override]) == f"config key '{key}' is {value}; set it to a finite number"
+
+
+def test_non_finite_float_in_yaml_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  temperature: .nan\n")
+    assert "config key 'rollout.temperature' is nan" in _error([], str(path))
+
+
+def test_a_plain_string_file_is_a_one_element_list(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: gsm8k/train.parquet\n")
+    cfg = load_config(str(path), ["data.val_files=gsm8k/test.parquet", "sft.train_files=sft.parquet"])
+    assert (cfg.data.train_files, cfg.data.val_files, cfg.sft.train_files) == \
+        (["gsm8k/train.parquet"], ["gsm8k/test.parquet"], ["sft.parquet"])
+    assert load_config("", ["data.train_files=[a.parquet,b.parquet]"]).data.train_files == ["a.parquet", "b.parquet"]

@@ -101,6 +101,15 @@ def test_qwen3_size_config_head_dim_and_experts(name):
     assert mem.active_params(arch) == pytest.approx(active, rel=0.02)
 
 
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=os.path.basename)
+def test_only_the_demo_configs_generate_data(path):
+    """The CPU demos' data (data/tiny_*) is generated on the first run; since a missing file is an error by default,
+    each demo config asks for its synthetic task, standalone (recipes run on their own); real data never is."""
+    d = load_config(path).data
+    demo = {"data/tiny_arith": "arith", "data/tiny_arith_tools": "arith_tools"}.get(os.path.dirname(d.train_files[0]), "")
+    assert d.synthetic_task == demo
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_size_config_gsm8k_settings(name):
     path = os.path.join(ROOT, "configs", name)

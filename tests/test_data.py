@@ -227,12 +227,71 @@ def test_synthetic_arith_rows(tmp_path, tok):
 
 def test_ensure_synthetic_data(tmp_path):
     cfg = DataConfig(train_files=[str(tmp_path / "a" / "train.parquet")],
-                     val_files=[str(tmp_path / "a" / "test.parquet")])
+                     val_files=[str(tmp_path / "a" / "test.parquet")], synthetic_task="arith")
     assert len(ensure_synthetic_data(cfg, n_train=30, n_test=6)) == 2
     assert pq.read_table(cfg.val_files[0]).num_rows == 6
     assert ensure_synthetic_data(cfg) == []  # present now
     off = DataConfig(train_files=[str(tmp_path / "b.parquet")], synthetic_task="")
     assert ensure_synthetic_data(off) == []
+
+
+def test_prompt_the_chat_template_rejects_names_file_and_row(tmp_path):
+    from hybridrl.tokenizer import HFTokenizer, build_tiny_hf_tokenizer
+
+    hf = build_tiny_hf_tokenizer()
+    hf.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                        "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    strict = HFTokenizer(hf, "strict-template")
+    good, bad = row("1+2="), row("3+4=")
+    bad["prompt"] = [{"role": "user", "content": "3+"}, {"role": "user", "content": "4="}]
+    path = write(tmp_path / "roles.parquet", [good, bad])
+    with pytest.raises(DataError) as e:
+        PromptDataset([path], strict, DataConfig(max_prompt_length=64))
+    msg = str(e.value)
+    assert f"data file '{path}' row 1 column 'prompt'" in msg and "'strict-template'" in msg
+    assert "Conversation roles must alternate" in msg and "['user', 'user']" in msg
+
+
+def test_float_ground_truths(tmp_path, tok):
+    """A float answer column (pandas writes GSM8K's 72 as 72.0) means the text a response gives: '72'."""
+    path = write(tmp_path / "floats.parquet", [row("1+2=", 72.0), row("1+2=", 2.5), row("1+2=", -3.0)])
+    assert [r.ground_truth for r in PromptDataset([path], tok, DataConfig())] == ["72", 2.5, "-3"]
+    for bad in (float("nan"), float("inf")):
+        msg = _error(tmp_path, tok, [row("1+2=", 4.0), row("1+2=", bad)])
+        assert "row 1 column 'reward_model'" in msg and f"ground_truth is {bad}" in msg
+
+
+def test_missing_data_file_is_an_error_unless_synthetic_data_is_asked_for(tmp_path, tok):
+    typo = str(tmp_path / "gsm8k" / "trian.parquet")
+    cfg = DataConfig(train_files=[typo], val_files=[typo])
+    assert cfg.synthetic_task == ""
+    assert ensure_synthetic_data(cfg) == [] and not (tmp_path / "gsm8k").exists()
+    with pytest.raises(DataError) as e:
+        make_train_loader(cfg, tok)
+    msg = str(e.value)
+    assert typo in msg and "does not exist" in msg
+    assert "prepare_gsm8k.py" in msg and "data.synthetic_task=arith" in msg
+
+
+def test_home_in_data_paths_is_expanded(tmp_path, tok, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(train_files=["~/arith/train.parquet"], val_files=["~/arith/test.parquet"],
+                     synthetic_task="arith", train_batch_size=4)
+    written = ensure_synthetic_data(cfg, n_train=12, n_test=3)
+    assert written == [str(tmp_path / "home" / "arith" / name) for name in ("train.parquet", "test.parquet")]
+    assert not (tmp_path / "~").exists()
+    assert len(make_train_loader(cfg, tok).dataset) == 12 and len(make_val_loader(cfg, tok).dataset) == 3
+
+
+def test_unknown_synthetic_task_is_a_config_error(tmp_path):
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+
+    with pytest.raises(ConfigError, match="data.synthetic_task='arihh' is not one of arith, arith_tools, or empty"):
+        load_config("", ["data.synthetic_task=arihh"])
+    assert load_config("", ["data.synthetic_task=arith_tools"]).data.synthetic_task == "arith_tools"
 
 
 def test_make_synthetic_data_script(tmp_path):

@@ -109,3 +109,52 @@ def test_filter_values_by_metric():
     assert kept_groups(filter_values("acc", raw, shaped, {}), 1).tolist() == [True] * 4  # singletons are kept
     with pytest.raises(FilterGroupsError, match="metric='pred' is not a numeric value"):
         filter_values("pred", raw, shaped, {"pred": ["1", "2", "3", "4"]})
+
+
+def _arith_loader(tmp_path):
+    from hybridrl.config import DataConfig
+    from hybridrl.data.prompts import PromptLoader, make_train_loader
+    from hybridrl.data.synthetic import write_synthetic_arith
+    from hybridrl.tokenizer import load_tokenizer
+
+    train, _ = write_synthetic_arith(str(tmp_path), n_train=20, n_test=1, seed=0)
+    loader = make_train_loader(DataConfig(train_files=[train], train_batch_size=4), load_tokenizer("builtin:tiny"))
+    assert isinstance(loader, PromptLoader) and len(loader) == 5
+    return loader
+
+
+def test_resume_after_dynamic_sampling_continues_after_every_batch_the_step_drew(tmp_path):
+    """Steps of 3, 3 and 2 generation batches (the second crosses into epoch 1): a loader resumed after any of
+    them serves the batch the uninterrupted run serves next, never one a step already used."""
+    from hybridrl.trainer.loop import PromptFeed
+
+    plain = iter(_endless_batches(_arith_loader(tmp_path)))
+    uninterrupted = [next(plain) for _ in range(9)]
+    feed = PromptFeed(_arith_loader(tmp_path), ahead=False)
+    drawn = 0
+    for gen_batches in (3, 3, 2):
+        prompts = [feed.step_prompts(prefetch=False)] + [feed.more() for _ in range(gen_batches - 1)]
+        assert [p.index for p in prompts] == uninterrupted[drawn:drawn + gen_batches]
+        drawn += gen_batches
+        resumed = _arith_loader(tmp_path)
+        resumed.load_state_dict(feed.resume_state())
+        assert PromptFeed(resumed, ahead=False).step_prompts(prefetch=False).index == uninterrupted[drawn]
+
+
+def test_resume_with_staleness_one_starts_at_the_prefetched_prompts(tmp_path):
+    from hybridrl.trainer.loop import PromptFeed
+
+    plain = iter(_endless_batches(_arith_loader(tmp_path)))
+    uninterrupted = [next(plain) for _ in range(3)]
+    feed = PromptFeed(_arith_loader(tmp_path), ahead=True)
+    assert feed.step_prompts(prefetch=True).index == uninterrupted[0] and feed.upcoming.index == uninterrupted[1]
+    resumed = _arith_loader(tmp_path)
+    resumed.load_state_dict(feed.resume_state())  # the upcoming prompts are generated again (or restored in flight)
+    assert PromptFeed(resumed, ahead=True).step_prompts(prefetch=False).index == uninterrupted[1]
+
+
+def _endless_batches(loader):
+    """Each global batch's row indices, epoch after epoch, by iterating the loader as is."""
+    while True:
+        for batch in loader:
+            yield batch.index

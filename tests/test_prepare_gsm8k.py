@@ -100,3 +100,38 @@ def test_input_errors(tmp_path):
     odd = write_jsonl(tmp_path / "odd" / "dev.jsonl", TEST)
     with pytest.raises(DataError, match="cannot tell the split"):
         prepare_gsm8k([odd], str(tmp_path / "out"))
+
+
+def test_json_array_files_convert(tmp_path):
+    src = tmp_path / "arrays"
+    src.mkdir()
+    (src / "train.json").write_text(json.dumps(TRAIN, indent=2))
+    (src / "test.json").write_text(json.dumps(TEST))
+    paths = prepare_gsm8k(str(src), str(tmp_path / "out"))
+    assert [r["reward_model"]["ground_truth"] for r in pq.read_table(paths["train"]).to_pylist()] == ["72", "10", "1600"]
+    assert [r["extra_info"]["question"] for r in pq.read_table(paths["test"]).to_pylist()] == [r["question"] for r in TEST]
+
+
+def test_bad_inputs_are_data_errors_and_leave_earlier_outputs_whole(tmp_path):
+    out = tmp_path / "out"
+    good = tmp_path / "good"
+    write_jsonl(good / "train.jsonl", TRAIN)
+    write_jsonl(good / "test.jsonl", TEST)
+    prepare_gsm8k(str(good), str(out))
+    before = {split: (out / f"{split}.parquet").read_bytes() for split in ("train", "test")}
+
+    not_object = tmp_path / "not_object"
+    write_jsonl(not_object / "train.jsonl", TRAIN[:2])  # a good train file, other rows than the outputs'
+    write_jsonl(not_object / "test.jsonl", TEST[:1] + [["a question", "#### 1"]])
+    with pytest.raises(DataError, match=r"test.jsonl' row 1 is a list, not an object"):
+        prepare_gsm8k(str(not_object), str(out))
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    pq.write_table(pa.Table.from_pylist(TRAIN[1:]), str(corrupt / "train.parquet"))
+    (corrupt / "test.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataError, match=r"GSM8k file '.*test.parquet' is not a parquet file"):
+        prepare_gsm8k(str(corrupt), str(out))
+
+    assert {split: (out / f"{split}.parquet").read_bytes() for split in ("train", "test")} == before
+    assert sorted(os.listdir(out)) == ["test.parquet", "train.parquet"]  # no temporary files left

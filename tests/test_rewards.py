@@ -226,3 +226,74 @@ def test_custom_reward_errors(tmp_path):
     broken.write_text("import no_such_module_xyz\n")
     with pytest.raises(RewardError, match="importing .*broken.py.* failed"):
         load_custom_reward(str(broken))
+
+
+DATACLASS_REWARD = '''
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Verdict:
+    answer: str
+    bonus: float = 0.0
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    return float(Verdict(solution_str).answer == ground_truth)
+'''
+
+
+def test_custom_reward_file_with_dataclasses_loads_and_pickles(tmp_path):
+    import pickle
+    import sys
+
+    path = tmp_path / "dataclass_reward.py"
+    path.write_text(DATACLASS_REWARD)
+    fn = load_custom_reward(str(path))
+    assert fn("s", "7", "7") == 1.0 and fn("s", "8", "7") == 0.0
+    assert pickle.loads(pickle.dumps(fn)) is fn
+    assert sys.modules[fn.__module__].__file__ == str(path)
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("raise RuntimeError('oops')\n")
+    with pytest.raises(RewardError, match="RuntimeError: oops"):
+        load_custom_reward(str(broken))
+    assert not any(name.endswith("broken_reward") for name in sys.modules)  # a failed import leaves nothing
+
+
+POPPING_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    answer = extra_info.pop("answer")  # a user's function that edits what it is given
+    ground_truth.clear()
+    return float(solution_str == answer)
+'''
+
+
+def test_reward_function_that_edits_its_inputs_leaves_the_prompts_intact(tmp_path):
+    """Each prompt's extra_info is repeated once per response (rollout.n); the loader hands out the dataset's
+    own dicts, so every call must get its own copy."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridrl.config import DataConfig
+    from hybridrl.data.prompts import PromptDataset, PromptLoader
+    from hybridrl.tokenizer import load_tokenizer
+
+    rows = [{"data_source": "s", "prompt": f"{i}+1=", "reward_model": {"ground_truth": [str(i + 1)]},
+             "extra_info": {"answer": str(i + 1), "index": i}} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "p.parquet"))
+    loader = PromptLoader(PromptDataset([str(tmp_path / "p.parquet")], load_tokenizer("builtin:tiny"),
+                                        DataConfig()), batch_size=4, shuffle=False)
+    path = tmp_path / "popping.py"
+    path.write_text(POPPING_REWARD)
+    manager = _manager(path, "compute_score")
+    n = 2
+    rep = lambda xs: [x for x in xs for _ in range(n)]
+    for _ in range(2):  # two epochs over the same rows
+        prompts = next(iter(loader))
+        responses = rep(["1", "2", "3", "4"])
+        scores = manager(responses, rep(prompts.data_source), rep(prompts.ground_truth), rep(prompts.extra_info))
+        assert scores.tolist() == [1.0] * 8
+    assert [(r.extra_info, r.ground_truth) for r in loader.dataset.rows] == \
+        [({"answer": str(i + 1), "index": i}, [str(i + 1)]) for i in range(4)]

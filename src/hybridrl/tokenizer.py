@@ -41,6 +41,10 @@ class TokenizerError(ValueError):
     """A tokenizer spec that cannot be loaded; the message names the path and the fix."""
 
 
+class ChatTemplateError(ValueError):
+    """A conversation the tokenizer's chat template refuses (its raise_exception, e.g. roles that do not alternate)."""
+
+
 def plain_chat_template(messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
     """'User: ...\\nAssistant:' rendering for tokenizers that ship no chat template."""
     lines = [f"{_PLAIN_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages]
@@ -120,9 +124,16 @@ class HFTokenizer(Tokenizer):
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
         if not self.has_chat_template:
             return plain_chat_template(messages, add_generation_prompt)
-        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.hf.apply_chat_template(list(messages), tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template of '{self.name}' rejects messages with roles "
+                                    f"{[m['role'] for m in messages]}: {e}") from e
 
     def continuation_text(self, messages: Sequence[Dict[str, str]]) -> str:
         if not self.has_chat_template:

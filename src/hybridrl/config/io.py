@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from typing import Iterable, List
 
@@ -106,6 +107,31 @@ def _words_back(node, prefix=""):
             node[key] = "on" if value else "off"
 
 
+def _one_element_lists(node, prefix=""):
+    """A plain string where the schema wants a list of strings is that one-element list (verl reads
+    data.train_files=path.parquet so)."""
+    for key in list(node):
+        full, value = prefix + str(key), node[key]
+        if OmegaConf.is_dict(value):
+            _one_element_lists(value, full + ".")
+        elif isinstance(value, str) and field_type(full) in ("List[str]", "typing.List[str]"):
+            node[key] = [value]
+
+
+def _check_finite(node: dict, prefix: str = "") -> None:
+    """Every float of the resolved config is a real number: NaN or inf (e.g. lr=inf, kl_coef=nan) is refused."""
+    for key, value in node.items():
+        full = prefix + str(key)
+        if isinstance(value, dict):
+            _check_finite(value, full + ".")
+            continue
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, float) and not math.isfinite(item):
+                name = full if i is None else f"{full}[{i}]"
+                raise ConfigError(f"config key '{name}' is {item}; set it to a finite number")
+
+
 def _async_defaults(layers) -> list:
     """verl's advice for asynchronous training as a default: when the engine lags the trainer
     (async_training.staleness_threshold >= 1 or partial_rollout) and no layer sets
@@ -139,8 +165,10 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
     for layer in layers:
         _check_keys(layer, keys)
         _words_back(layer)
+        _one_element_lists(layer)
     try:
         merged = OmegaConf.merge(schema, *_async_defaults(layers), *layers)
+        _check_finite(OmegaConf.to_container(merged, resolve=True))
         return OmegaConf.to_object(merged)
     except ConfigKeyError as err:
         raise _unknown_key_error(err.full_key or str(err.key)) from None

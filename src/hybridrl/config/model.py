@@ -6,6 +6,8 @@ from typing import List, Optional
 
 from hybridrl.config.checks import check, one_of
 
+SYNTHETIC_TASKS = ("arith", "arith_tools")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -33,8 +35,9 @@ class DataConfig:
     """Reshuffle the training prompts every epoch (seeded)."""
     seed: int = 1
     """Seed of the per-epoch shuffle."""
-    synthetic_task: str = "arith"
-    """When the train/val files are missing and this is set, generate that synthetic task there."""
+    synthetic_task: str = ""
+    """arith or arith_tools: generate that synthetic task into missing train/val files (the CPU demos); empty: a
+    missing file is an error."""
 
     def __post_init__(self):
         check(self.max_prompt_length > 0, "data.max_prompt_length must be > 0")
@@ -42,6 +45,9 @@ class DataConfig:
         check(self.train_batch_size > 0, "data.train_batch_size must be > 0")
         check(self.val_batch_size > 0, "data.val_batch_size must be > 0")
         one_of("data.truncation", self.truncation, ("left", "right", "error"))
+        check(self.synthetic_task in ("",) + SYNTHETIC_TASKS,
+              f"data.synthetic_task={self.synthetic_task!r} is not one of {', '.join(SYNTHETIC_TASKS)}, or empty "
+              "(no generated data: a missing data file is an error)")
 
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")

@@ -1,4 +1,4 @@
-"""Convert local GSM8k files (jsonl or parquet with `question`, `answer`) to the prompt layout.
+"""Convert local GSM8k files (jsonl, json or parquet with `question`, `answer`) to the prompt layout.
 
 Same rows as verl's examples/data_preprocess/gsm8k.py: data_source "openai/gsm8k", one user
 message = question + the "####" instruction, ground truth = the text after "####" without commas.
@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-from hybridrl.data.prompts import DataError, write_prompt_parquet
+from hybridrl.data.prompts import DataError, read_parquet_table, write_prompt_parquet
 
 GSM8K_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -36,23 +36,40 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> Dict[str, A
     }
 
 
+def _json_records(path: str) -> List[Any]:
+    """The records of a .jsonl file (one object per line) or a .json file (one array of objects, or jsonl)."""
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # jsonl named .json
+        if isinstance(whole, list):
+            return whole
+    records = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"'{path}' line {line_no} is not JSON ({e}); GSM8k jsonl has "
+                            "one {\"question\", \"answer\"} object per line") from e
+    return records
+
+
 def read_gsm8k_records(path: str) -> List[Dict[str, Any]]:
-    """(question, answer) records of one jsonl or parquet file, checked."""
+    """(question, answer) records of one jsonl, json or parquet file, checked."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        records = pq.read_table(path).to_pylist()
+        records = read_parquet_table(path, "GSM8k file", "pass local train/test files or their folder",
+                                     "GSM8k parquet has string columns 'question' and 'answer'").to_pylist()
     else:
-        with open(path) as f:
-            records = []
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"'{path}' line {line_no} is not JSON ({e}); GSM8k jsonl has "
-                                    "one {\"question\", \"answer\"} object per line") from e
+        records = _json_records(path)
     for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise DataError(f"'{path}' row {i} is a {type(r).__name__}, not an object; GSM8k rows are "
+                            "{\"question\": ..., \"answer\": ...} objects (one per jsonl line, or a .json array)")
         for key in ("question", "answer"):
             if not isinstance(r.get(key), str):
                 raise DataError(f"'{path}' row {i} has no string '{key}'; GSM8k rows need "
@@ -93,11 +110,10 @@ def find_gsm8k_files(inputs: Sequence[str]) -> Dict[str, str]:
 
 
 def prepare_gsm8k(inputs: Sequence[str] | str, output_dir: str) -> Dict[str, str]:
-    """Convert GSM8k train/test files to output_dir/{train,test}.parquet; returns the paths."""
+    """Convert GSM8k train/test files to output_dir/{train,test}.parquet; returns the paths. Both inputs are
+    read and checked before either output is written (each atomically), so bad input leaves old outputs whole."""
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
-    out = {}
-    for split, path in find_gsm8k_files(inputs).items():
-        rows = [gsm8k_row(r["question"], r["answer"], split, i)
-                for i, r in enumerate(read_gsm8k_records(path))]
-        out[split] = write_prompt_parquet(rows, os.path.join(output_dir, f"{split}.parquet"))
-    return out
+    rows = {split: [gsm8k_row(r["question"], r["answer"], split, i) for i, r in enumerate(read_gsm8k_records(path))]
+            for split, path in find_gsm8k_files(inputs).items()}
+    return {split: write_prompt_parquet(split_rows, os.path.join(output_dir, f"{split}.parquet"))
+            for split, split_rows in rows.items()}

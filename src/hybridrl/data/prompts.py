@@ -12,6 +12,7 @@ rewards or torch.distributed: the caller passes dp_rank/dp_size.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -19,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from hybridrl.config import DataConfig
-from hybridrl.tokenizer import Tokenizer
+from hybridrl.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,11 @@ def collate(rows: Sequence[PromptRow], pad_id: int, length: Optional[int] = None
 
 
 def read_parquet_table(path: str, what: str, missing_fix: str, layout_fix: str):
-    """One parquet file as a pyarrow Table; a missing or unreadable file is one DataError."""
+    """One parquet file as a pyarrow Table ('~' expanded); a missing or unreadable file is one DataError."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise DataError(f"{what} '{path}' does not exist; {missing_fix}")
     try:
@@ -100,8 +102,9 @@ def read_parquet_table(path: str, what: str, missing_fix: str, layout_fix: str):
 
 def read_parquet_records(path: str, prompt_key: str) -> List[Dict[str, Any]]:
     """Rows of one parquet file as dicts, after checking the file and its columns."""
-    table = read_parquet_table(path, "data file", "fix data.train_files/data.val_files or create it "
-                               "(scripts/prepare_gsm8k.py, scripts/make_synthetic_data.py)", _LAYOUT_FIX)
+    table = read_parquet_table(path, "data file", "fix data.train_files/data.val_files, or create it "
+                               "(scripts/prepare_gsm8k.py for GSM8K), or set data.synthetic_task=arith to generate "
+                               "the synthetic demo task there", _LAYOUT_FIX)
     for column in (prompt_key,) + REQUIRED_COLUMNS:
         if column not in table.column_names:
             hint = " (or set data.prompt_key)" if column == prompt_key else ""
@@ -143,7 +146,18 @@ def parse_record(record: Dict[str, Any], path: str, row: int, prompt_key: str):
     if not isinstance(extra_info, dict):
         raise DataError(f"{where.format('extra_info')}: must be a dict (or missing), got "
                         f"{type(extra_info).__name__}")
-    return messages, data_source, reward_model["ground_truth"], extra_info
+    ground_truth = _ground_truth(reward_model["ground_truth"], where.format("reward_model"))
+    return messages, data_source, ground_truth, extra_info
+
+
+def _ground_truth(value: Any, where: str) -> Any:
+    """A float column's answer as the text a scorer compares with: 72.0 -> '72'; NaN or inf is an error."""
+    if not isinstance(value, float):
+        return value
+    if not math.isfinite(value):
+        raise DataError(f"{where}: ground_truth is {value}, which no response can match; write the answer "
+                        "(e.g. '72') or drop the row")
+    return str(int(value)) if value.is_integer() else value
 
 
 def _fit_length(ids: List[int], cfg: DataConfig, where: str) -> Optional[List[int]]:
@@ -186,8 +200,12 @@ class PromptDataset:
         for i, record in enumerate(records):
             messages, data_source, ground_truth, extra_info = parse_record(
                 record, path, i, self.cfg.prompt_key)
-            text = self.tokenizer.apply_chat_template(messages)
             where = f"data file '{path}' row {i} column '{self.cfg.prompt_key}'"
+            try:
+                text = self.tokenizer.apply_chat_template(messages)
+            except ChatTemplateError as e:
+                raise DataError(f"{where}: {e}; fix the row's messages or pick a tokenizer whose template "
+                                "accepts them (data.tokenizer)") from e
             ids = _fit_length(self.tokenizer.encode(text), self.cfg, where)
             if ids is None:
                 self.num_filtered += 1

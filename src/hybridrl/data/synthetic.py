@@ -17,7 +17,6 @@ from hybridrl.config import DataConfig
 from hybridrl.data.prompts import write_prompt_parquet
 
 ARITH_SOURCE = "synthetic/arith"
-SYNTHETIC_TASKS = ("arith", "arith_tools")
 
 
 def arith_rows(n: int, seed: int, split: str, max_operand: int = 9) -> List[Dict[str, Any]]:
@@ -60,21 +59,19 @@ def write_synthetic_arith(folder: str, n_train: int = 2000, n_test: int = 100, s
 
 
 def ensure_synthetic_data(cfg: DataConfig, n_train: int = 2000, n_test: int = 100) -> List[str]:
-    """Generate the missing data.train_files/val_files when data.synthetic_task is set.
+    """Generate the missing data.train_files/val_files when data.synthetic_task is set (validated with the config).
 
     Returns the files written (none when all exist or the task is empty). Deterministic and
     written atomically, so every rank may call it; the entry point calling it once is cheaper.
     """
-    missing = [(p, "train") for p in cfg.train_files if not os.path.exists(p)]
-    missing += [(p, "test") for p in cfg.val_files if not os.path.exists(p)]
-    if not missing or not cfg.synthetic_task:
+    if not cfg.synthetic_task:
         return []
-    if cfg.synthetic_task not in SYNTHETIC_TASKS:
-        raise ValueError(f"data.synthetic_task={cfg.synthetic_task!r} is not one of "
-                         f"{', '.join(SYNTHETIC_TASKS)} (or empty to disable generation)")
     from hybridrl.data.tool_demos import arith_tools_rows
 
     rows = arith_rows if cfg.synthetic_task == "arith" else arith_tools_rows
+    missing = [(os.path.expanduser(p), "train") for p in cfg.train_files]
+    missing += [(os.path.expanduser(p), "test") for p in cfg.val_files]
+    missing = [(p, split) for p, split in missing if not os.path.exists(p)]
     for path, split in missing:
         n, seed = (n_train, cfg.seed) if split == "train" else (n_test, cfg.seed + 1)
         write_prompt_parquet(rows(n, seed, split), path)

@@ -11,10 +11,12 @@ with "score" (its other keys come back as extra per-response values). Built-in s
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import math as _math
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -70,7 +72,8 @@ def builtin_extras(data_source: str, response: str, ground_truth: Any,
 
 
 def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
-    """The function `name` from the python file at `path` (imported by file path)."""
+    """The function `name` from the python file at `path` (imported by file path, and registered in sys.modules
+    as importlib's recipe does, so dataclasses and pickle find the module)."""
     if not os.path.isfile(path):
         raise RewardError(f"reward.custom_function.path='{path}' does not exist; point it at a .py "
                           "file defining the reward function")
@@ -79,9 +82,11 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
     if spec is None or spec.loader is None:
         raise RewardError(f"reward.custom_function.path='{path}' cannot be imported; use a .py file")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as e:
+        del sys.modules[module_name]
         raise RewardError(f"importing reward.custom_function.path='{path}' failed: "
                           f"{type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
@@ -102,9 +107,9 @@ class RewardManager:
         self.fn_name = f"{custom.path}:{custom.name}" if custom.path else "built-in reward"
 
     def _raw_score(self, response: str, data_source: str, ground_truth: Any, extra_info) -> Any:
-        if self.custom_fn is not None:
+        if self.custom_fn is not None:  # copies: a function that edits them must not edit the dataset's rows
             return self.custom_fn(data_source=data_source, solution_str=response,
-                                  ground_truth=ground_truth, extra_info=extra_info)
+                                  ground_truth=copy.deepcopy(ground_truth), extra_info=copy.deepcopy(extra_info))
         score = get_reward_fn(data_source, self.cfg.gsm8k_method)(response, ground_truth)
         return {"score": score, **builtin_extras(data_source, response, ground_truth, self.cfg.gsm8k_method)}
 

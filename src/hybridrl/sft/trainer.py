@@ -95,7 +95,7 @@ def sft_loader(cfg: Config, tokenizer, groups):
     from hybridrl.data.tool_demos import write_demonstrations
     from hybridrl.sft.data import SFTDataset, SFTLoader
 
-    missing = [p for p in cfg.sft.train_files if not os.path.exists(p)]
+    missing = [p for p in map(os.path.expanduser, cfg.sft.train_files) if not os.path.exists(p)]
     write = {"arith": write_arith_demonstrations, "arith_tools": write_demonstrations}.get(cfg.sft.synthetic_task)
     if dist.get_rank() == 0 and missing and write is not None:
         for path in missing:

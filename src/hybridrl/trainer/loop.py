@@ -46,6 +46,34 @@ def _endless(loader):
             return
 
 
+class PromptFeed:
+    """The training steps' prompt batches, drawn from an endless pass over the loader, and the loader state a
+    resume after a step starts from.
+
+    A step draws its prompts (`step_prompts`), with async_training.staleness_threshold=1 also the next step's
+    (`upcoming`, generated while this step trains), and DAPO's dynamic sampling draws more (`more`)."""
+
+    def __init__(self, loader, ahead: bool):
+        self.loader, self.ahead = loader, ahead
+        self.batches, self.upcoming, self._before_upcoming = _endless(loader), None, None
+
+    def step_prompts(self, prefetch: bool):
+        """This step's prompts; with `prefetch`, the next step's are drawn now into `upcoming`."""
+        prompts = self.upcoming if self.upcoming is not None else next(self.batches)
+        self._before_upcoming = self.loader.state_dict()
+        self.upcoming = next(self.batches) if prefetch else None
+        return prompts
+
+    def more(self):
+        """One more prompt batch for the current step."""
+        return next(self.batches)
+
+    def resume_state(self) -> dict:
+        """Where a resume after the current step starts: after every batch it drew; ahead (staleness 1), at the
+        prefetched prompts, whose generation is saved in flight with the checkpoint."""
+        return self._before_upcoming if self.ahead else self.loader.state_dict()
+
+
 def _checkpointed_roles(roles) -> dict:
     """The roles this world writes into a checkpoint: {"actor": ActorWorker, "critic": CriticWorker (PPO
     only, unless the critic has ranks of its own)}."""
@@ -264,19 +292,16 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
     stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
     stops.clear_stop_file(ckpt.latest())
     code = 0
-    batches = _endless(train_loader)
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)
     profile_steps, rewards, tool_calls = [], [], []
     ahead = remote is not None and cfg.async_training.staleness_threshold > 0
-    upcoming = None  # staleness 1: the next step's prompts, generated while this step trains
+    feed = PromptFeed(train_loader, ahead)
     for step in range(start + 1, total + 1):
         watchdog.step(step)
-        prompts = upcoming if upcoming is not None else next(batches)
-        data_state = train_loader.state_dict()  # a resume starts with the next step's prompts
-        upcoming = next(batches) if ahead and step < total else None
+        prompts = feed.step_prompts(prefetch=ahead and step < total)
         try:
-            metrics = trainer.train_step(prompts, step, next_prompts=lambda: next(batches),
-                                         upcoming=upcoming if ahead else None)
+            metrics = trainer.train_step(prompts, step, next_prompts=feed.more,
+                                         upcoming=feed.upcoming)
         except FloatingPointError as err:
             raise TrainingError(f"step {step}: {err}; stopped before the update, nothing was saved for "
                                 f"this step (last checkpoint: {ckpt.latest()})") from None
@@ -298,7 +323,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
         reason = stops.agreed(groups.device)
         if (tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total)) or reason:
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
-            _save(saver, trainer, data_state, step)
+            _save(saver, trainer, feed.resume_state(), step)
         bar.update(1)
         if reason:
             saver.finalize()
