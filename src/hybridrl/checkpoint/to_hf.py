@@ -1,4 +1,5 @@
-"""A training checkpoint's actor as an HF folder (config.json + model.safetensors), offline.
+"""A training checkpoint's actor as an HF folder (config.json + model.safetensors, and the tokenizer and
+generation config files of an HF source folder), offline.
 
 Runs under any world size: the model is rebuilt at the layout asked for (TP x PP, DP the rest of the
 world, TP 1 x PP 1 by default), its shards are read from the checkpoint whatever layout wrote it,
@@ -27,10 +28,12 @@ def _saved_dtype(folder: str) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
-def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> None:
-    """Write the actor of `step_folder` (a global_step_* folder) to `out` as an HF checkpoint."""
+def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1, source: str = "") -> None:
+    """Write the actor of `step_folder` (a global_step_* folder) to `out` as an HF checkpoint, with the tokenizer
+    and generation config files of the HF folder `source` (a LoRA actor's: its base unless given)."""
     from megatron.core import dist_checkpointing
 
+    from hybridrl.models.hf_checkpoint import copy_hf_side_files
     from hybridrl.models.lora_export import export_lora_model
     from hybridrl.parallel.distributed import init_model_parallel
 
@@ -54,6 +57,8 @@ def checkpoint_to_hf(step_folder: str, out: str, tp: int = 1, pp: int = 1) -> No
     fill_model(model, loaded, actor, "actor")
     base = lora["base"] if lora else ""
     export_lora_model(model, spec, groups, out, hf_config, base)  # LoRA: merged, and the PEFT adapter in out/adapter
+    if dist.get_rank() == 0:
+        copy_hf_side_files(source or base, out)
 
 
 def _actor_model(hf_config: dict, lora: dict | None, groups, dtype: str):

@@ -23,6 +23,11 @@ __all__ = ["SafetensorsReader", "CheckpointMismatchError", "check_checkpoint", "
            "mcore_to_hf_stream", "save_hf", "model_from_hf", "random_hf_model_folder", "unwrap_model"]
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# What an HF model folder holds besides config.json and the weights, copied into an export from its source
+# (what verl's HF export writes with the tokenizer's and generation config's save_pretrained).
+HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+                 "chat_template.jinja", "chat_template.json")
 # Buffers some HF checkpoints carry that are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -186,8 +191,22 @@ def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save_hf(folder: str, stream, hf_config_dict: dict, writer: bool | None = None) -> None:
-    """Consume `stream` (on all ranks) and write config.json + model.safetensors (on rank 0)."""
+def copy_hf_side_files(source: str, folder: str) -> list[str]:
+    """Copy the `HF_SIDE_FILES` that `source` has (tokenizer, chat template, generation config) into `folder`;
+    returns their names."""
+    import shutil
+
+    if not source or not os.path.isdir(source) or os.path.realpath(source) == os.path.realpath(folder):
+        return []
+    copied = [name for name in HF_SIDE_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+    return copied
+
+
+def save_hf(folder: str, stream, hf_config_dict: dict, writer: bool | None = None, source: str | None = None) -> None:
+    """Consume `stream` (on all ranks) and write config.json + model.safetensors (on rank 0), with the tokenizer
+    and generation config files of the HF folder `source` when given."""
     from safetensors.torch import save_file
 
     writer = _is_writer() if writer is None else writer
@@ -205,6 +224,7 @@ def save_hf(folder: str, stream, hf_config_dict: dict, writer: bool | None = Non
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(folder, SINGLE_FILE), metadata={"format": "pt"})
+    copy_hf_side_files(source, folder)
 
 
 def model_from_hf(hf_folder_or_config, groups, dtype: str = "float32", layer_spec: str | None = None,

@@ -1,12 +1,15 @@
 """HF `config.json` (Qwen2, Qwen3, Llama; Qwen3-MoE and Mixtral) -> `GPTSpec`, and back.
 
-Only configurations the megatron local spec reproduces exactly are accepted; anything else
-(sliding-window attention, unsupported rope scaling, biases megatron would place elsewhere, another
+A config.json is read as transformers reads it: a field it leaves out takes the family's class default
+(Mixtral rope_theta 1e6, Qwen3 head_dim 128, ...), never a default of our own. Only configurations the
+megatron local spec reproduces exactly are accepted; anything else (sliding-window attention, unsupported
+rope scaling, biases megatron would place elsewhere, top-1 routing with a renormalised weight, another
 activation or model type) raises `UnsupportedConfigError` naming the field and its value, so a
 checkpoint is never converted into a silently different model. No weights are touched here.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import asdict
@@ -50,6 +53,20 @@ def as_config_dict(config) -> dict:
     raise TypeError(f"expected an HF config dict, path or PretrainedConfig, got {type(config).__name__}")
 
 
+def with_transformers_defaults(cfg: dict) -> dict:
+    """`cfg` as transformers' config class of its model_type reads it (`from_pretrained` builds the model from
+    this): absent fields filled with the class defaults, derived ones (KV heads, head_dim, rope_parameters
+    from rope_theta/rope_scaling) derived as transformers does."""
+    import transformers
+
+    cls = transformers.CONFIG_MAPPING[cfg["model_type"]]
+    try:  # a deep copy: transformers rewrites nested dicts such as rope_scaling in place
+        return cls.from_dict(copy.deepcopy(cfg)).to_dict()
+    except (KeyError, ValueError, TypeError) as e:
+        raise UnsupportedConfigError("model_type", cfg["model_type"],
+                                     f"transformers' {cls.__name__} cannot read it either: {e}") from e
+
+
 def _rope(cfg: dict) -> tuple[float, float]:
     """(rope_theta, llama3 scaling factor or 0) from transformers>=5 `rope_parameters` or the older
     `rope_theta` + `rope_scaling` fields."""
@@ -57,7 +74,10 @@ def _rope(cfg: dict) -> tuple[float, float]:
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
     params = dict(params or cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise UnsupportedConfigError("rope_theta", None, "the config gives no rope_theta")
+    theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1.0, 1):
@@ -116,7 +136,14 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
     if cfg.get("shared_expert_intermediate_size"):
         raise UnsupportedConfigError("shared_expert_intermediate_size", cfg["shared_expert_intermediate_size"],
                                      "shared experts are not supported")
-    return dict(num_experts=int(experts), moe_topk=int(cfg["num_experts_per_tok"]),
+    topk = int(cfg["num_experts_per_tok"])
+    if topk == 1 and norm_topk:  # megatron gives the expert its softmax probability p (and asks for pre-softmax)
+        field, value = ("norm_topk_prob", True) if model_type == "qwen3_moe" else ("num_experts_per_tok", 1)
+        raise UnsupportedConfigError(field, value, "top-1 routing (num_experts_per_tok=1) with a renormalised weight "
+                                     "gives the chosen expert weight 1.0 in transformers but its router probability "
+                                     "p in megatron" + ("; set norm_topk_prob=false to route top-1 with weight p"
+                                                        if model_type == "qwen3_moe" else ""))
+    return dict(num_experts=int(experts), moe_topk=topk,
                 moe_intermediate_size=int(size), norm_topk_prob=norm_topk, moe_hf_names=model_type)
 
 
@@ -126,20 +153,21 @@ def spec_from_hf_config(config) -> GPTSpec:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedConfigError("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    act = cfg.get("hidden_act", "silu")
+    cfg = with_transformers_defaults(cfg)
+    act = cfg["hidden_act"]
     if act != "silu":
         raise UnsupportedConfigError("hidden_act", act, "the megatron model uses SwiGLU (silu)")
     qkv_bias = _check_attention(cfg, model_type)
     theta, scaling = _rope(cfg)
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads  # as the modeling code derives it
     return GPTSpec(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        num_key_value_heads=cfg["num_key_value_heads"],
         intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048), rope_theta=theta,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), qkv_bias=qkv_bias,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=cfg["max_position_embeddings"], rope_theta=theta,
+        rms_norm_eps=cfg["rms_norm_eps"], qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
         head_dim=0 if head_dim * heads == cfg["hidden_size"] else head_dim,
         rope_scaling_factor=scaling, qk_norm=model_type in QK_NORM_MODEL_TYPES, **_moe_fields(cfg, model_type))
 

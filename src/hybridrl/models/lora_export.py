@@ -85,13 +85,14 @@ def lora_meta(model) -> dict:
 
 
 def export_lora_model(model, spec, groups, folder: str, hf_config: dict, base: str) -> None:
-    """`folder`: the merged model (config.json + model.safetensors) and, in `folder`/adapter, the PEFT adapter
-    for `base`. Without adapters only the model. Collective over the replica; rank 0 writes."""
+    """`folder`: the merged model (config.json + model.safetensors, with `base`'s tokenizer and generation config
+    files) and, in `folder`/adapter, the PEFT adapter for `base`. Without adapters only the model. Collective over
+    the replica; rank 0 writes."""
     from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, save_hf
     from hybridrl.models.lora import has_adapters, merged_weights
 
     with merged_weights(model):
-        save_hf(folder, mcore_to_hf_stream(model, spec, groups), hf_config)
+        save_hf(folder, mcore_to_hf_stream(model, spec, groups), hf_config, source=base)
     if not has_adapters(model):
         return
     adapters = full_adapters(model, spec, groups)
