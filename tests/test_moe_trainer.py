@@ -41,8 +41,8 @@ def test_ep2_and_pp2_first_step_equals_ep1(tmp_path, estimator):
     _same_first_step(one, read_scalars(tmp_path / "ep2"), estimator)
     a, b = _hf_weights(tmp_path / "ep1" / "hf"), _hf_weights(tmp_path / "ep2" / "hf")
     assert a.keys() == b.keys() and any(".experts." in name for name in a)
-    for name in a:  # 7e-7 apart at most; an update of lr 1e-3 moves a weight by up to 1e-3
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    for name in a:  # 7e-7 apart on one CPU, 1.2e-6 on another; an update (lr 1e-3) moves a weight by up to 1e-3
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=5e-6, msg=name)
 
 
 def _same_first_step(one, two, estimator):
