@@ -286,6 +286,22 @@ def test_dummy_folder_describes_the_spec(tmp_path):
     assert cfg["model_type"] == "qwen2" and spec_from_hf_config(cfg) == spec
 
 
+def test_dummy_folder_names_the_tokenizers_eos_not_the_classes_default():
+    """vLLM takes its stop ids from generation_config.json, else from config.json through transformers, whose
+    Llama class defaults eos_token_id to 2 (`#` in Llama 3's vocabulary): the folder must name the real ones."""
+    from transformers import GenerationConfig
+
+    from hybridrl.models.gpt import GPTSpec
+
+    spec = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   vocab_size=300)
+    folder = vllm_adapter.dummy_model_folder(spec, eos_ids=(128001, 128009))
+    with open(f"{folder}/config.json") as f:
+        assert json.load(f)["model_type"] == "llama"
+    assert GenerationConfig.from_pretrained(folder).eos_token_id == [128001, 128009]
+    assert GenerationConfig.from_pretrained(vllm_adapter.dummy_model_folder(spec)).eos_token_id is None
+
+
 # ---- vLLM 0.33's own names and shapes (tests/data/vllm_0_33_names.json, from tests/vllm_033_names.py) --------
 
 def _fixture() -> dict:
@@ -436,14 +452,17 @@ def test_sleep_discards_the_weights_and_generate_waits_for_all_of_them_then_proc
     llm = _FixtureLLM(case)
     engine = vllm_adapter.VLLMEngine(spec, llm=llm, eos_id=2)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=3)
+    assert not engine.needs_weights
     engine.sleep()
     bucket = _hf_bucket(spec)
     engine.load_weights(bucket[:10])
     engine.load_weights(bucket[10:-1])
     engine.wake_up()
+    assert engine.needs_weights  # the trainer syncs before generating (tests/test_engine_resync.py)
     with pytest.raises(RuntimeError, match=r"discarded its weights at sleep \(level 2\) and 1 were not streamed in"):
         engine.generate([[1, 2]], sampling)
     engine.load_weights(bucket[-1:])
+    assert not engine.needs_weights
     engine.generate([[1, 2]], sampling)
     engine.generate([[3]], sampling)
     rpcs = [c[1] for c in llm.calls if c[0] == "rpc"]
@@ -461,3 +480,17 @@ def test_process_weights_on_worker_calls_vllms_post_load_step(monkeypatch):
     runner = types.SimpleNamespace(get_model=lambda: model, model="a CUDA-graph wrapper", model_config="cfg")
     vllm_adapter.process_weights_on_worker(types.SimpleNamespace(model_runner=runner))
     assert seen == [(model, "cfg", model.weight.device)]
+
+
+def test_prompt_and_response_longer_than_the_model_are_refused_before_vllm_starts():
+    """vLLM runs at max_model_len = max_prompt_length + max_response_length (verl's), which the model must hold."""
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.trainer.roles import build_rollout
+
+    cfg = load_config("", ["rollout.name=vllm", "data.max_prompt_length=1500", "data.max_response_length=1000"])
+    spec = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   vocab_size=251, max_position_embeddings=2048)
+    with pytest.raises(ConfigError, match=r"= 2500 is more than the model's max_position_embeddings \(2048\)"):
+        build_rollout(cfg, spec, None, types.SimpleNamespace(pad_token_id=0, eos_token_ids=(1,)))

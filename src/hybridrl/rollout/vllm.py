@@ -136,16 +136,22 @@ def process_weights_on_worker(worker) -> None:
     process_weights_after_loading(model, worker.model_runner.model_config, next(model.parameters()).device)
 
 
-def dummy_model_folder(spec: GPTSpec, dtype: str = "bfloat16") -> str:
-    """A folder with only config.json for `spec`: vLLM builds the architecture, weights come later.
-    Both rope keys: transformers 5 reads `rope_parameters` (preferring a non-empty `rope_scaling`, equal
-    here), releases on transformers 4 read `rope_theta` and `rope_scaling`."""
+def dummy_model_folder(spec: GPTSpec, dtype: str = "bfloat16", eos_ids: Sequence[int] = ()) -> str:
+    """A folder with config.json for `spec` (vLLM builds the architecture, weights come later) and a
+    generation_config.json naming the tokenizer's eos ids: without one vLLM derives it from config.json, where
+    transformers' Llama / Mixtral classes default eos_token_id to 2 (a `#` in Llama 3's vocabulary), and stops
+    every response there. Both rope keys: transformers 5 reads `rope_parameters` (preferring a non-empty
+    `rope_scaling`, equal here), releases on transformers 4 read `rope_theta` and `rope_scaling`."""
     cfg = hf_config_from_spec(spec, dtype=dtype)
     rope = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
     cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    eos = list(eos_ids) or None
+    cfg["eos_token_id"] = eos
     folder = tempfile.mkdtemp(prefix="hybridrl_vllm_")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos}, f, indent=2)
     return folder
 
 
@@ -178,7 +184,7 @@ class VLLMEngine:
         # external_launcher asserts an in-process engine core; collective_rpc then passes tensors by reference
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if model_path is None:
-            model_path = dummy_model_folder(spec, cfg.dtype)
+            model_path = dummy_model_folder(spec, cfg.dtype, self.eos_ids)
             self._remove_folder = weakref.finalize(self, shutil.rmtree, model_path, True)
         self.llm = self.vllm.LLM(
             model=model_path, load_format=load_format,
@@ -189,6 +195,13 @@ class VLLMEngine:
             enable_sleep_mode=True, distributed_executor_backend="external_launcher", **llm_kwargs)
         # vLLM forms its TP groups from consecutive ranks, as new_rollout_groups does
         self.groups = new_rollout_groups(cfg.tensor_model_parallel_size)
+
+    @property
+    def needs_weights(self) -> bool:
+        """A sleep discarded the weights and they have not all been streamed in again: the caller syncs them
+        before the next generate (verl streams them in at every switch to rollout mode)."""
+        return self._discarded and self.spec is not None and bool(
+            set(hc.mcore_to_hf_name_map(self.spec)) - self._reloaded)
 
     @property
     def _model_config(self):

@@ -191,6 +191,9 @@ class PPOTrainer:
         source = is_rollout_source(self.groups)
         ids = [row[m.bool()].tolist() for row, m in zip(prompts.input_ids, prompts.attention_mask)] if source else []
         seeds = prompt_seeds(sampling.seed, step, prompts.index) if source else []
+        if getattr(self.rollout, "needs_weights", False):  # vLLM slept at level 2 since the last sync (a second
+            with self.timer("update_weights"):             # generation: validation, ReMax's baseline, DAPO)
+                self.sync_rollout_weights()
         self.hybrid.enter("gen")  # hybrid engine: the idle training state leaves the device
         if torch.cuda.is_available() and self.cfg.rollout.name == "vllm":
             torch.cuda.empty_cache()  # vLLM's sleep-mode pool allocates outside torch's cache

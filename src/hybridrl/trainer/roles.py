@@ -143,7 +143,12 @@ def build_rollout(cfg: Config, spec: GPTSpec, groups: ParallelGroups, tokenizer)
     if cfg.rollout.name == "vllm":
         from hybridrl.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(spec=spec, cfg=cfg.rollout, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_ids)
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length  # verl's max_model_len
+        if longest > spec.max_position_embeddings:
+            raise ConfigError(f"data.max_prompt_length + data.max_response_length = {longest} is more than the "
+                              f"model's max_position_embeddings ({spec.max_position_embeddings}); shorten them")
+        return VLLMEngine(spec=spec, cfg=cfg.rollout, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_ids,
+                          max_model_len=longest)
     from hybridrl.rollout.native import NativeEngine
 
     return NativeEngine(spec, cfg.rollout.tensor_model_parallel_size, groups, cfg.model.params_dtype,
