@@ -52,6 +52,7 @@ def _run_role(folder, groups, role, overrides):
     from hybridrl.models.forward import pipeline_forward
     from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, model_from_hf
     from hybridrl.models.logprobs import vocab_parallel_token_stats
+    from hybridrl.workers.moe_metrics import RouterStats, pass_sums
 
     if role == "critic":
         model, spec, _ = critic_from_hf(folder, groups, "float32", **overrides)
@@ -81,12 +82,14 @@ def _run_role(folder, groups, role, overrides):
 
     sdpa_attention.SDPAttention.forward = counting
     try:
-        out = pipeline_forward(model, [batch], loss_fn, forward_only=False, token_fn=token_fn)[0]
+        with RouterStats(model) as routing:
+            out = pipeline_forward(model, [batch], loss_fn, forward_only=False, token_fn=token_fn)[0]
     finally:
         sdpa_attention.SDPAttention.forward = original
     _finalized_grads(model, groups)
     grads = dict(mcore_to_hf_stream(model, spec, groups, head="none" if role == "critic" else "lm"))
-    return out, grads, seen[0]
+    routed = pass_sums(routing, groups)  # MoE: the tokens the metrics count, every rank's share added
+    return out, grads, seen[0], None if routed is None else routed[:, -1].tolist()
 
 
 def _layouts(folders, layouts):
@@ -125,8 +128,8 @@ REAL_TOKENS = sum(p + r for p, r in zip(PROMPTS, RESPONSES))
 
 
 def _compare(result, reference):
-    out, grads, _ = result
-    ref_out, ref_grads, _ = reference
+    out, grads = result[:2]
+    ref_out, ref_grads = reference[:2]
     for key in ref_out:
         torch.testing.assert_close(out[key], ref_out[key], atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref_grads.keys()
@@ -157,6 +160,9 @@ def test_sequence_and_context_parallel_on_two_ranks_equal_world1(world1, folders
         assert rank["sp_packed", "qwen3", "actor"][2] == 36  # rows 7, 7, 7, 2, 9 padded to multiples of TP = 2
         assert rank["cp", "qwen3", "actor"][2] == 40 // 2  # to multiples of 2·CP = 4, half on each rank
         assert rank["cp_padded", "qwen3", "actor"][2] == len(PROMPTS) * 16 // 2  # rows of width 13 -> 16
+        # the MoE metrics count every token the layout routed, not one rank's share (before: 35 and 20)
+        assert set(rank["sp", "qwen3_moe", "actor"][3]) == {len(PROMPTS) * (sum(WIDTH) + 1)}
+        assert set(rank["cp", "qwen3_moe", "actor"][3]) == {40}
 
 
 @pytest.mark.distributed
@@ -168,3 +174,14 @@ def test_tp2_sp_cp2_on_four_ranks_equals_world1(world1, folders):
         for (layout, model, role), result in rank.items():
             _compare(result, world1["padded", model, role])
         assert rank["tp_sp_cp", "qwen3", "actor"][2] == 48 // 2  # multiples of TP x 2·CP = 8, half per CP rank
+
+
+def test_a_row_with_a_hole_is_refused_not_packed_over_its_neighbour():
+    """Packing moves each row's tokens to [cu[row], cu[row] + count): a row with a hole in its mask would send
+    two tokens to one place (row 0's last token under row 1's first)."""
+    from hybridrl.models.packing import Pack
+
+    good = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
+    assert Pack.of(good).dest.tolist() == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="contiguous"):
+        Pack.of(torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]]))

@@ -63,6 +63,10 @@ class Pack:
         cu[1:] = padded.cumsum(0)
         rows, cols = real.nonzero(as_tuple=True)  # row-major: each row's tokens in column order
         first = torch.where(real.any(1), real.int().argmax(1), 0)
+        last = s - 1 - real.flip(1).int().argmax(1)
+        counts = real.sum(1)
+        if bool(((last - first + 1 != counts) & (counts > 0)).any()):  # a hole would put two tokens in one place
+            raise ValueError("packing needs each row's real tokens to be contiguous (attention_mask 0..0 1..1 0..0)")
         dest = cu.long()[rows] + cols - first[rows]
         local = None
         if cp_size > 1:

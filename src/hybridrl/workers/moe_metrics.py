@@ -5,8 +5,10 @@ layer, the tokens each expert received and the terms of the switch load-balancin
 gives `actor/moe_aux_loss` (the loss before its coefficient, as megatron logs it: E / (k T^2) *
 sum_e P_e f_e, P_e the summed router probabilities and f_e the tokens sent to expert e; mean over
 layers) and `actor/moe_load_imbalance` (max over mean tokens per expert, mean over layers). Every token
-the router saw counts, padding included (it is dispatched and computed like the rest). Only this rank's
-tokens: the caller sums the raw counts over data-parallel ranks before the ratios (`sums()`).
+the router saw counts, padding included (it is dispatched and computed like the rest). A rank's routers see
+only its rows and, under context parallelism, its chunk of them, and under sequence parallelism its TP share
+of the tokens: `pass_sums` adds the raw counts over those ranks before the ratios, as megatron's aux loss sums
+its counts over TP x CP.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class RouterStats:
         self.tokens: dict[int, torch.Tensor] = {}
         self.probs: dict[int, torch.Tensor] = {}
         self.count: dict[int, int] = {}
+        self.sequence_parallel = bool(self.routers) and self.routers[0].config.sequence_parallel
+        """Each TP rank routes its own share of the tokens (else every TP rank routes all of them)."""
         self._hooks = []
 
     def __enter__(self):
@@ -62,16 +66,31 @@ class RouterStats:
         return {f"{prefix}/moe_aux_loss": aux.item(), f"{prefix}/moe_load_imbalance": imbalance.item()}
 
 
-def pass_metrics(stats: RouterStats, groups, topk: int, prefix: str = "actor") -> dict:
-    """The metrics of a pass on every rank: counts summed over DP, layer means averaged over PP stages."""
+def pass_sums(stats: RouterStats, groups) -> torch.Tensor | None:
+    """`stats.sums()` added over every rank whose routers saw other tokens of the pass: DP, CP, and TP under
+    sequence parallelism (one all-reduce each, on the run's device)."""
     import torch.distributed as dist
 
     sums = stats.sums()
     if sums is None:
+        return None
+    spread = [(groups.dp, groups.dp_group), (groups.cp, groups.cp_group),
+              (groups.tp if stats.sequence_parallel else 1, groups.tp_group)]
+    for size, group in spread:
+        if size > 1:
+            sums = sums.to(groups.device)
+            dist.all_reduce(sums, group=group)
+    return sums
+
+
+def pass_metrics(stats: RouterStats, groups, topk: int, prefix: str = "actor") -> dict:
+    """The metrics of a pass on every rank: counts summed over the ranks that split its tokens (`pass_sums`),
+    layer means averaged over PP stages."""
+    import torch.distributed as dist
+
+    sums = pass_sums(stats, groups)
+    if sums is None:
         return {}
-    if groups.dp > 1:
-        sums = sums.to(groups.device)
-        dist.all_reduce(sums, group=groups.dp_group)
     metrics = RouterStats.metrics(sums, topk, prefix)
     if groups.pp > 1:
         t = torch.tensor(list(metrics.values()), dtype=torch.float64, device=groups.device)
