@@ -64,9 +64,12 @@ def _stopped(run, tmp):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT"])
 def test_a_signal_saves_and_the_same_command_resumes(tmp_path, sig):
-    run = _start(tmp_path, [])
+    """The signal goes to the whole process group, as SLURM's pre-emption and torchrun's forwarding send it,
+    after a save (save_freq 2): megatron's write helpers, started by that save, must outlive it (they died,
+    and the save on signal failed with a broken pipe)."""
+    run = _start(tmp_path, ["trainer.save_freq=2"])
     _wait_for(tmp_path / "out.log", r"step:3 ")
-    os.kill(run.pid, getattr(signal, sig))
+    os.killpg(run.pid, getattr(signal, sig))
     code, step, reason, _ = _stopped(run, tmp_path)
     assert code == 75 and reason == sig and step >= 3
     if sig != "SIGTERM":  # the resume is the same whatever stopped the run: checked once

@@ -15,9 +15,11 @@ which stays as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
+import signal
 from typing import Dict
 
 import torch
@@ -47,6 +49,39 @@ def _save_file(obj, path: str) -> None:
         f.write(buf.getbuffer())
 
 
+@contextlib.contextmanager
+def _stop_signals_held():
+    """SIGTERM and SIGUSR1 held back (pending, not lost) while megatron-core starts its write helpers (the async
+    writer, the spawn context's resource tracker), which inherit the mask and so live through a job-wide signal
+    (SLURM's pre-emption, torchrun's forwarding) that would kill them mid-write and fail the very save the
+    signal asked for. The run's own handler gets the signal afterwards."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _ignore_stop_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _write_results_queue() -> None:
+    """megatron-core's write-results queue, which every save reuses, started now by a Manager process that
+    ignores the stop signals (megatron starts a plain one at the first save, and a job-wide SIGTERM or SIGUSR1
+    killed it: the save on signal then failed with a broken pipe)."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", 0) is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=_ignore_stop_signals)
+        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps its manager alive
+
+
 class CheckpointWriter:
     """Writes `global_step_*` folders under a CheckpointManager's root; every rank calls every method."""
 
@@ -54,7 +89,9 @@ class CheckpointWriter:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.folders = folders
-        self.queue = AsyncCallsQueue() if async_save else None
+        with _stop_signals_held():
+            _write_results_queue()
+            self.queue = AsyncCallsQueue() if async_save else None
         self.pending = 0  # the step of the async save in flight
 
     def save(self, step: int, workers: Dict[str, object], meta: dict, extra: Dict[str, object] | None = None,
@@ -81,7 +118,8 @@ class CheckpointWriter:
         self._agree(step, local_writes)  # every rank learns of a failure before the collective write
         is_async = self.queue is not None
         try:
-            requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
+            with _stop_signals_held():
+                requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
         except (OSError, CheckpointException) as err:  # raised on every rank: megatron gathers write results
             raise self._failed(step, err) from None
         publish = functools.partial(self._publish, step, dict(meta, roles=sorted([*workers, *others])))
@@ -89,8 +127,9 @@ class CheckpointWriter:
             publish()
             return
         requests[-1].add_finalize_fn(publish)  # finalized in order: the last one means all are written
-        for request in requests:
-            self.queue.schedule_async_request(request)
+        with _stop_signals_held():
+            for request in requests:
+                self.queue.schedule_async_request(request)
         self.pending = step
 
     def _make_folders(self, step: int, subs) -> None:
