@@ -68,9 +68,9 @@ def _ignore_stop_signals() -> None:
 
 
 def _write_results_queue() -> None:
-    """megatron-core's write-results queue, which every save reuses, started now by a Manager process that
-    ignores the stop signals (megatron starts a plain one at the first save, and a job-wide SIGTERM or SIGUSR1
-    killed it: the save on signal then failed with a broken pipe)."""
+    """megatron-core's write-results queue, which every save reuses, started at the first save by a Manager
+    process that ignores the stop signals (megatron would start a plain one, which a job-wide SIGTERM or SIGUSR1
+    killed: the save on signal then failed with a broken pipe)."""
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
@@ -89,9 +89,7 @@ class CheckpointWriter:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.folders = folders
-        with _stop_signals_held():
-            _write_results_queue()
-            self.queue = AsyncCallsQueue() if async_save else None
+        self.queue = AsyncCallsQueue() if async_save else None
         self.pending = 0  # the step of the async save in flight
 
     def save(self, step: int, workers: Dict[str, object], meta: dict, extra: Dict[str, object] | None = None,
@@ -119,6 +117,7 @@ class CheckpointWriter:
         is_async = self.queue is not None
         try:
             with _stop_signals_held():
+                _write_results_queue()
                 requests = [save_role(w, os.path.join(tmp, role), is_async) for role, w in workers.items()]
         except (OSError, CheckpointException) as err:  # raised on every rank: megatron gathers write results
             raise self._failed(step, err) from None
