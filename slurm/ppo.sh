@@ -118,8 +118,9 @@ while true; do  # a trapped signal interrupts `wait`; keep waiting for the run t
 done
 trap - USR1 TERM
 # torchrun exits 1 when a rank exits 75: STOPPED says the run saved and stopped. A stop requested before the
-# run could save (e.g. while it started) requeues too: it resumes from its last checkpoint.
-if [ "$status" -eq 75 ] || [ -e "$STOPPED_FILE" ] || [ -e "$STOP_FILE" ]; then
+# run could save (e.g. while it started) requeues too: it resumes from its last checkpoint. A run that ended
+# with 0 finished its steps, whatever a late signal touched: nothing to requeue.
+if [ "$status" -eq 75 ] || [ -e "$STOPPED_FILE" ] || { [ -e "$STOP_FILE" ] && [ "$status" -ne 0 ]; }; then
     echo "job $SLURM_JOB_ID: stopped ($(cat "$STOPPED_FILE" 2>/dev/null || echo "exit $status, nothing saved")); requeueing"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0

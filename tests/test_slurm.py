@@ -197,6 +197,28 @@ def test_a_run_that_saved_is_requeued_whatever_torchrun_returns(tmp_path):
     assert scontrol == ["requeue", "4242"] and "requeueing" in out
 
 
+def test_a_run_that_finished_is_not_requeued_by_a_late_signal(tmp_path):
+    """A signal while the run finished (its export, the writer's close) touched STOP, but the run exited 0 with
+    every step done: requeueing it would train again from its last checkpoint (from scratch without one)."""
+    stop = tmp_path / "repo" / "checkpoints" / "4242" / "STOP"
+    _, scontrol, out = _run(tmp_path, "slurm/ppo.sh", ["configs/qwen2_7b.yaml"], FAKE_SRUN_TOUCH=str(stop))
+    assert scontrol == ["show", "hostnames", "gpu-node-[07-08]"] and "requeueing" not in out
+    _, scontrol, out = _run(tmp_path / "failed", "slurm/ppo.sh", ["configs/qwen2_7b.yaml"], FAKE_SRUN_EXIT="1",
+                            FAKE_SRUN_TOUCH=str(tmp_path / "failed" / "repo" / "checkpoints" / "4242" / "STOP"))
+    assert scontrol == ["requeue", "4242"] and "requeueing" in out  # stopped before it could save: resumes
+
+
+def test_max_runtime_counts_from_the_process_start():
+    """Set-up, checkpoint load and the first validation count against trainer.max_runtime (they did not: a
+    big model's set-up pushed the stop past the job's end)."""
+    import psutil
+
+    from hybridrl.trainer.preemption import deadline
+
+    assert deadline("00:01:00", 300, {}) == pytest.approx(psutil.Process().create_time() + 60, abs=1e-3)
+    assert deadline("00:01:00", 300, {"SLURM_JOB_END_TIME": "1000"}) == 700.0
+
+
 def test_what_stopped_the_previous_run_does_not_requeue_the_next(tmp_path):
     """STOP and STOPPED of a requeued job's earlier run are removed before the run starts."""
     ckpt = tmp_path / "repo" / "checkpoints" / "4242"

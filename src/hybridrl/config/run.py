@@ -56,7 +56,8 @@ class TrainerConfig:
     log_freq: int = 1
     """Print a console line every this many steps (and at validations and the last step)."""
     max_runtime: str = ""
-    """"HH:MM:SS" (or "D-HH:MM:SS"): save and stop (exit code 75) at the first step boundary after this long."""
+    """"HH:MM:SS" (or "D-HH:MM:SS"): save and stop (exit code 75) at the first step boundary this long after the
+    process started (set-up and checkpoint load included)."""
     stop_margin_s: int = 300
     """Under SLURM, save and stop this many seconds before the job's end time (SLURM_JOB_END_TIME)."""
     timeline_dir: str = ""

@@ -40,12 +40,15 @@ def parse_runtime(text: str) -> float:
 
 
 def deadline(max_runtime: str, margin_s: float, environ=None) -> float | None:
-    """Epoch seconds after which the run saves and stops: trainer.max_runtime from now, or SLURM's job end
+    """Epoch seconds after which the run saves and stops: trainer.max_runtime from the process's start (its
+    set-up, checkpoint load and first validation count, as in Megatron-LM's exit duration), or SLURM's job end
     time (SLURM_JOB_END_TIME) less `margin_s` (time to save), whichever comes first; None without either."""
+    import psutil
+
     env = os.environ if environ is None else environ
     limits = []
     if max_runtime:
-        limits.append(time.time() + parse_runtime(max_runtime))
+        limits.append(psutil.Process().create_time() + parse_runtime(max_runtime))
     if env.get("SLURM_JOB_END_TIME", "").isdigit():
         limits.append(float(env["SLURM_JOB_END_TIME"]) - margin_s)
     return min(limits) if limits else None
