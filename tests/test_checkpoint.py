@@ -54,6 +54,22 @@ def test_publish_prune_pointer_and_partial_folders(tmp_path):
     assert choose_checkpoint(ckpt, str(tmp_path / "global_step_4"), True).endswith("global_step_4")
 
 
+def test_a_requeued_job_resumes_past_the_checkpoint_it_was_started_from(tmp_path, monkeypatch):
+    """sbatch ... trainer.resume_mode=<elsewhere>/global_step_4: the first run starts there; a requeue repeats the
+    command line, so it must take the job's own newer saves (it restarted from step 4 at every requeue)."""
+    elsewhere, own = CheckpointManager(str(tmp_path / "elsewhere")), CheckpointManager(str(tmp_path / "own"))
+    named = _publish(elsewhere, 4)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert choose_checkpoint(own, named, True) == named  # the job's first run
+    for step in (6, 8):
+        _publish(own, step)
+    assert choose_checkpoint(own, named, True) == named  # not requeued: the path as given (a rollback)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert choose_checkpoint(own, named, True).endswith("own/global_step_8")
+    os.remove(tmp_path / "own" / "global_step_8" / "meta.json")  # damaged: the next newer one
+    assert choose_checkpoint(own, named, True).endswith("own/global_step_6")
+
+
 def test_prune_counts_actor_and_critic_apart(tmp_path):
     """verl's max_actor_ckpt_to_keep / max_critic_ckpt_to_keep: each role's oldest complete parts go, a step
     folder goes when no part is left, the newest stays, partial and foreign folders are never touched."""

@@ -43,9 +43,17 @@ def _note_unverified(path: str) -> None:
 
 def choose_checkpoint(folders: CheckpointManager, resume_mode: str, digests: bool) -> Optional[str]:
     """trainer.resume_mode: disable -> None; auto -> the newest intact checkpoint under the root (None when
-    there is none at all); a path -> that checkpoint, when whole. CheckpointError otherwise."""
+    there is none at all); a path -> that checkpoint, when whole, except in a requeued SLURM job that has saved
+    past it under its own root: its newest intact checkpoint there (the requeue repeats the command line, which
+    would otherwise start from the named one every time). CheckpointError otherwise."""
     if resume_mode == "disable":
         return None
+    if resume_mode != "auto" and _requeued():
+        later = _later_own_checkpoint(folders, resume_mode, digests)
+        if later is not None:
+            print0(f"resuming from {later}, this job's own newer checkpoint, not trainer.resume_mode={resume_mode}: "
+                   "the job was requeued (SLURM_RESTART_COUNT) after it had saved past that one")
+            return later
     if resume_mode != "auto":
         named = os.path.normpath(resume_mode)
         if not (os.path.isdir(named) and STEP_DIR.match(os.path.basename(named))):
@@ -71,6 +79,22 @@ def choose_checkpoint(folders: CheckpointManager, resume_mode: str, digests: boo
                               + "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
                               + "; move them aside to start afresh, or pass a checkpoint kept elsewhere to "
                                 "trainer.resume_mode")
+    return None
+
+
+def _requeued() -> bool:
+    return os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")
+
+
+def _later_own_checkpoint(folders: CheckpointManager, named: str, digests: bool) -> Optional[str]:
+    """The newest intact checkpoint under the run's own root of a later step than the folder `named`, or None."""
+    m = STEP_DIR.match(os.path.basename(os.path.normpath(named)))
+    if m is None:
+        return None
+    for path in folders.candidates():
+        step = STEP_DIR.match(os.path.basename(path))
+        if step and int(step.group(1)) > int(m.group(1)) and damage(path, digests) is None:
+            return path
     return None
 
 
