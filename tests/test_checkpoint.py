@@ -54,6 +54,28 @@ def test_publish_prune_pointer_and_partial_folders(tmp_path):
     assert choose_checkpoint(ckpt, str(tmp_path / "global_step_4"), True).endswith("global_step_4")
 
 
+def test_rotation_keeps_an_older_checkpoint_while_a_newer_ones_shared_files_are_damaged(tmp_path):
+    """keep=2: a step whose rng/ (a file every resume reads beside the roles' parts) is truncated does not count,
+    so the next save deletes nothing a resume still needs (it deleted step 40, then 60 broke: nothing intact)."""
+    from hybridrl.checkpoint.integrity import FILES, list_files, record
+
+    ckpt = CheckpointManager(str(tmp_path), keep=2)
+
+    def publish(step):
+        tmp = ckpt.prepare(step)
+        for part, name in (("actor", "shard"), ("rng", "0.pt")):
+            os.makedirs(os.path.join(tmp, part))
+            open(os.path.join(tmp, part, name), "w").write(f"{part} {step}")
+        ckpt.publish(step, {"roles": ["actor"], FILES: record(tmp, list_files(tmp))})
+
+    publish(40)
+    publish(50)
+    open(tmp_path / "global_step_50" / "rng" / "0.pt", "w").close()  # truncated
+    publish(60)
+    assert sorted(ckpt.complete_steps()) == [40, 50, 60]  # 40 and 60 are the two a resume can use
+    assert choose_checkpoint(ckpt, "auto", True).endswith("global_step_60")
+
+
 def test_a_requeued_job_resumes_past_the_checkpoint_it_was_started_from(tmp_path, monkeypatch):
     """sbatch ... trainer.resume_mode=<elsewhere>/global_step_4: the first run starts there; a requeue repeats the
     command line, so it must take the job's own newer saves (it restarted from step 4 at every requeue)."""

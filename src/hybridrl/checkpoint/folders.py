@@ -19,7 +19,7 @@ import re
 import shutil
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
-from hybridrl.checkpoint.integrity import FILES, first_damage
+from hybridrl.checkpoint.integrity import FILES, first_damage, part_of
 
 POINTER = "latest_checkpointed_iteration.txt"  # verl's name
 META = "meta.json"
@@ -123,7 +123,10 @@ class CheckpointManager:
         steps = sorted(self.complete_steps())
         listed = {s: self.listed_roles(s) for s in steps}
         kept = {s: {r for r in listed[s] if os.path.isdir(os.path.join(self.step_dir(s), r))} for s in steps}
-        whole = {s: {r for r in kept[s] if not step_damage(self.step_dir(s), False, parts=(r,))} for s in steps}
+        # a part counts when its files and the step's shared ones (rng/, in_flight.pt) are whole: a resume needs both
+        whole = {s: {r for r in kept[s] if not step_damage(self.step_dir(s), False, parts=(r,))}
+                 if not step_damage(self.step_dir(s), False, parts=self._shared_parts(s, listed[s])) else set()
+                 for s in steps}
         for role in sorted(set().union(*kept.values())):
             limit = self.limit(role)
             if limit is None:
@@ -140,6 +143,14 @@ class CheckpointManager:
                 for name in os.listdir(self.step_dir(s)):
                     if name.endswith(PARTIAL):
                         shutil.rmtree(os.path.join(self.step_dir(s), name), ignore_errors=True)
+
+    def _shared_parts(self, step: int, roles) -> set:
+        """The parts of a step's file list that belong to no role (rng/, in_flight.pt)."""
+        try:
+            files = read_meta(self.step_dir(step)).get(FILES) or {}
+        except (CheckpointError, AttributeError):
+            return set()
+        return {part_of(p) for p in files} - set(roles)
 
     def complete_steps(self) -> List[int]:
         if not os.path.isdir(self.root):
