@@ -155,6 +155,17 @@ def test_loss_side_bytes_are_the_measured_peak_of_the_log_prob_function(grad, en
     assert meter.peak == pytest.approx(planned, rel=0.02, abs=4096)
 
 
+@pytest.mark.parametrize("model_type, kv", [("qwen2", 32), ("mixtral", 8), ("llama", 4)])
+def test_model_dims_take_transformers_default_kv_heads(tmp_path, model_type, kv):
+    """A config.json without num_key_value_heads: the planner sizes the K/V heads transformers (and the model
+    build, models/hf_config.py) would use, not the query head count."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "num_attention_heads": 4,
+                                                      "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10}))
+    assert model_dims(ModelConfig(path=str(tmp_path))).num_key_value_heads == kv
+
+
 def test_model_dims_placeholder_path(tmp_path):
     model = ModelConfig(path="/path/to/Nowhere", hidden_size=32, num_layers=3, vocab_size=99)
     with pytest.raises(ConfigError, match="no config.json"):

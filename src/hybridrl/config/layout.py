@@ -40,8 +40,20 @@ def model_dims(model: ModelConfig, vocab_size: int = 0, allow_missing_path: bool
         hf = json.load(f)
     heads = hf["num_attention_heads"]
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-    return ModelDims(hf["num_hidden_layers"], heads, hf.get("num_key_value_heads", heads),
-                     hf["hidden_size"], hf["vocab_size"], experts)
+    return ModelDims(hf["num_hidden_layers"], heads, _kv_heads(hf), hf["hidden_size"], hf["vocab_size"], experts)
+
+
+def _kv_heads(hf: dict) -> int:
+    """K/V heads as transformers reads the config: a missing field takes its class default (32 for Qwen2/Qwen3,
+    8 for Mixtral), not the query head count."""
+    if "num_key_value_heads" in hf:
+        return hf["num_key_value_heads"]
+    import transformers
+
+    model_type = hf.get("model_type", "")
+    if model_type not in transformers.CONFIG_MAPPING:
+        return hf["num_attention_heads"]
+    return transformers.CONFIG_MAPPING[model_type].from_dict(dict(hf)).num_key_value_heads
 
 
 @dataclass(frozen=True)
