@@ -121,7 +121,10 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world1(folders):
-    return run_distributed(_layouts, 1, folders, {"padded": (1, 1, {}), "packed": (1, 1, {"remove_padding": True})})[0]
+    aux = {"moe_aux_loss_coeff": 0.1}
+    return run_distributed(_layouts, 1, folders, {"padded": (1, 1, {}), "packed": (1, 1, {"remove_padding": True}),
+                                                  "padded_aux": (1, 1, aux),
+                                                  "packed_aux": (1, 1, dict(aux, remove_padding=True))})[0]
 
 
 REAL_TOKENS = sum(p + r for p, r in zip(PROMPTS, RESPONSES))
@@ -145,6 +148,16 @@ def test_packed_world1_equals_padded(world1):
             padded, packed = world1["padded", model, role], world1["packed", model, role]
             _compare(packed, padded)
             assert padded[2] == len(PROMPTS) * sum(WIDTH) and packed[2] == REAL_TOKENS  # no padding computed
+
+
+@pytest.mark.distributed
+def test_the_moe_load_balancing_loss_leaves_the_padding_out(world1):
+    """With actor.moe_aux_loss_coeff > 0 the router's load-balancing loss is part of the gradient: padded and
+    packed rows must give the same one (the padded layout's pad tokens counted in it: 1e-2 apart at 0.1)."""
+    for role in ("actor", "critic"):
+        _compare(world1["packed_aux", "qwen3_moe", role], world1["padded_aux", "qwen3_moe", role])
+    plain, aux = world1["padded", "qwen3_moe", "actor"][1], world1["padded_aux", "qwen3_moe", "actor"][1]
+    assert any(not torch.allclose(plain[n], aux[n]) for n in plain if ".gate." in n or "router" in n)
 
 
 @pytest.mark.distributed

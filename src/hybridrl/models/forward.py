@@ -138,10 +138,19 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
     finish = ((lambda output, mb: loss_fn(_padded_tokens(token_fn, output, mb), mb)) if token_fn is not None
               else loss_fn)
 
+    from megatron.core.utils import get_model_config
+
+    moe = bool(getattr(get_model_config(model), "num_moe_experts", None))
+
+    def pads(real):
+        """megatron's padding_mask (True: padding) for an MoE model, so its router losses leave the padding out
+        whatever the layout; None for a dense model or without a mask."""
+        return None if not moe or real is None else real == 0
+
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         if layout.packed:
-            return _packed_step(chunk, mb, layout, token_fn, loss_fn)
+            return _packed_step(chunk, mb, layout, token_fn, loss_fn, pads)
         sized, s = _pad_columns(mb, layout.sp)
         ids, mask = sized["input_ids"], sized.get("attention_mask")
         b, width = ids.shape
@@ -151,12 +160,12 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
             pos = torch.arange(width, device=ids.device).expand(b, width)
             routes = None if routes is None else routes.gather(1, index[:, :, None, None].expand_as(routes))
             with without_cuda_mode(), replaying(chunk, routes, layout.sp_split):
-                out = chunk(ids.gather(1, index), pos, None)
+                out = chunk(ids.gather(1, index), pos, None, **_padding_kw(pads(mask.gather(1, index))))
             return out, lambda output: finish(restore_alignment(output, index)[:, :s], mb)
         pos = sized.get("position_ids")
         pos = torch.arange(width, device=ids.device).expand(b, width) if pos is None else pos
         with without_cuda_mode(), replaying(chunk, routes, layout.sp_split):
-            out = chunk(ids, pos, causal_padding_mask(mask, width))
+            out = chunk(ids, pos, causal_padding_mask(mask, width), **_padding_kw(pads(mask)))
         return out, lambda output: finish(output[:, :s], mb)
 
     if layout.packed:
@@ -173,7 +182,11 @@ def pipeline_forward(model, micro_batches: list[dict], loss_fn: Callable | None 
             forward_only=forward_only))
 
 
-def _packed_step(chunk, mb: dict, layout: "SequenceLayout", token_fn: Callable, loss_fn: Callable):
+def _padding_kw(padding_mask) -> dict:
+    return {} if padding_mask is None else {"padding_mask": padding_mask}
+
+
+def _packed_step(chunk, mb: dict, layout: "SequenceLayout", token_fn: Callable, loss_fn: Callable, pads: Callable):
     """One micro-batch as one packed sequence (this CP rank's part of it); loss_fn gets [B, S] per-token results."""
     ids = mb["input_ids"]
     mask = mb.get("attention_mask")
@@ -182,7 +195,8 @@ def _packed_step(chunk, mb: dict, layout: "SequenceLayout", token_fn: Callable, 
     routes = mb.get("routed_experts")
     routes = None if routes is None else pack.pack(routes)
     with without_cuda_mode(), replaying(chunk, routes, layout.sp_split):
-        out = chunk(pack.pack(ids), pack.positions(), None, packed_seq_params=pack.params(layout.cp_group))
+        out = chunk(pack.pack(ids), pack.positions(), None, packed_seq_params=pack.params(layout.cp_group),
+                    **_padding_kw(pads(pack.pack(mask))))
 
     def finish(output):
         # without token_fn the model's own output comes back in the rows' columns (under CP gathered whole:
