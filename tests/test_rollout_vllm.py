@@ -494,3 +494,15 @@ def test_prompt_and_response_longer_than_the_model_are_refused_before_vllm_start
                    vocab_size=251, max_position_embeddings=2048)
     with pytest.raises(ConfigError, match=r"= 2500 is more than the model's max_position_embeddings \(2048\)"):
         build_rollout(cfg, spec, None, types.SimpleNamespace(pad_token_id=0, eos_token_ids=(1,)))
+
+
+@pytest.mark.parametrize("key", ["rollout.temperature", "rollout.val_kwargs.temperature"])
+def test_a_temperature_vllm_would_raise_is_refused(key):
+    """vLLM's SamplingParams raises 0 < T < 0.01 to 0.01: the engine would sample (and report log-probs) at
+    another temperature than the trainer recomputes them at."""
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+
+    with pytest.raises(ConfigError, match=rf"{key}=0.005: vLLM raises temperatures below 0.01"):
+        load_config("", ["rollout.name=vllm", f"{key}=0.005", "rollout.val_kwargs.do_sample=true"])
+    load_config("", ["rollout.name=native", f"{key}=0.005", "rollout.val_kwargs.do_sample=true"])

@@ -99,6 +99,11 @@ class RolloutConfig:
         one_of("rollout.name", self.name, ("native", "vllm"))
         check(self.n >= 1, "rollout.n must be >= 1")
         check(self.temperature >= 0, "rollout.temperature must be >= 0")
+        for key, t in (("rollout.temperature", self.temperature), ("rollout.val_kwargs.temperature",
+                                                                   self.val_kwargs.temperature)):
+            check(self.name != "vllm" or not 0 < t < 0.01,
+                  f"{key}={t}: vLLM raises temperatures below 0.01 to 0.01 (its log-probs would be of another "
+                  "distribution than the trainer's); use 0 (greedy) or >= 0.01")
         check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         check(self.update_weights_bucket_mb > 0, "rollout.update_weights_bucket_mb must be > 0")
         check(self.max_num_seqs >= 1, "rollout.max_num_seqs must be >= 1 (KV-cache slots of the engine)")
