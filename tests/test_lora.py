@@ -272,3 +272,15 @@ def test_planner_counts_grads_and_adam_states_of_the_adapters_only(runs, layout,
     assert states(full)["actor/grads"] > 5 * states(adapted)["actor/grads"]  # rank 4 on a 64-wide model
     assert any(p.name == "ref log-prob" for p in full.phases)
     assert not any(p.name == "ref log-prob" for p in adapted.phases)  # the reference is the actor, adapters off
+
+
+def test_the_adapter_config_of_an_moe_model_names_only_its_attention():
+    """all-linear adapts only the attention of an MoE model (its MLPs are experts): the exported PEFT config must
+    not name gate/up/down_proj, which PEFT would wrap with adapters the run never trained."""
+    from hybridrl.config.lora import LoraConfig
+    from hybridrl.models.lora_export import adapter_config
+
+    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["all-linear"])
+    assert adapter_config(cfg, "base", moe=True)["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert adapter_config(cfg, "base")["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"]

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hybridrl.config.lora import LoraConfig
+from hybridrl.config.lora import LORA_MODULES, LoraConfig
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.hf_checkpoint import unwrap_model
 from hybridrl.models.lora import LoraLinear, hf_module_name
@@ -55,21 +55,24 @@ def full_adapters(model, spec, groups) -> dict:
     return {k: v for stage in stages for k, v in stage.items()}
 
 
-def adapter_config(cfg: LoraConfig, base_model: str) -> dict:
-    """PEFT's adapter_config.json of a LoRA adapter with these settings."""
+def adapter_config(cfg: LoraConfig, base_model: str, moe: bool = False) -> dict:
+    """PEFT's adapter_config.json of a LoRA adapter with these settings; of an MoE model only its attention
+    modules (all-linear adapts only those there: PEFT would otherwise wrap the experts the run never trained)."""
+    mlp = LORA_MODULES["linear_fc1"] + LORA_MODULES["linear_fc2"]
+    targets = [t for t in cfg.hf_targets() if not (moe and t in mlp)]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "bias": "none",
-            "target_modules": list(cfg.hf_targets()), "fan_in_fan_out": False, "use_rslora": False,
+            "target_modules": targets, "fan_in_fan_out": False, "use_rslora": False,
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
 
 
-def save_peft_adapter(folder: str, adapters: dict, cfg: LoraConfig, base_model: str) -> None:
+def save_peft_adapter(folder: str, adapters: dict, cfg: LoraConfig, base_model: str, moe: bool = False) -> None:
     """Write `folder`/adapter_config.json and adapter_model.safetensors (call on one rank)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config(cfg, base_model), f, indent=2, sort_keys=True)
+        json.dump(adapter_config(cfg, base_model, moe), f, indent=2, sort_keys=True)
     save_file({k: v.contiguous().clone() for k, v in adapters.items()}, os.path.join(folder, "adapter_model.safetensors"),
               metadata={"format": "pt"})
 
@@ -97,7 +100,8 @@ def export_lora_model(model, spec, groups, folder: str, hf_config: dict, base: s
         return
     adapters = full_adapters(model, spec, groups)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        save_peft_adapter(os.path.join(folder, ADAPTER_FOLDER), adapters, unwrap_model(model).lora_config, base)
+        save_peft_adapter(os.path.join(folder, ADAPTER_FOLDER), adapters, unwrap_model(model).lora_config, base,
+                          spec.num_experts > 0)
 
 
 def check_resume(path: str, saved: dict | None, model) -> None:

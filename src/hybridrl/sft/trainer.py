@@ -76,7 +76,7 @@ class SFTTrainer:
             shutil.rmtree(staging)
         dist.barrier()
         save_hf(staging, mcore_to_hf_stream(self.engine.module, self.spec, self.groups),
-                load_hf_config(self.init_folder))
+                load_hf_config(self.init_folder), source=self.init_folder)  # its generation config (extra eos ids)
         if rank0:
             if hasattr(self.tok, "hf"):
                 self.tok.hf.save_pretrained(staging)
