@@ -102,6 +102,39 @@ def test_a_silent_peer_is_named_by_its_heartbeat():
     assert waited < 8
 
 
+def _stopped_mid_send(port: int):
+    """Rank 1 rings the bell of a 64 MiB message to rank 0 and stops (no heartbeat, no bytes): what SIGSTOP of a
+    rollout rank between the bell and the end of its send leaves. Rank 0's receive must end naming it."""
+    import torch
+
+    from hybridrl.parallel import liveness
+    from hybridrl.trainer.split import PeerLostError, talking_to
+
+    rank, bridge = _bridge(port)
+    liveness.DEAD_AFTER_S = 2.0
+    if rank == 1:
+        bridge.store.set(bridge._bell(1, 0), str(64 << 20))
+        liveness.stop()
+        time.sleep(11)  # then its exit closes the connection: the only way the receive ended before
+        return None
+    start = time.monotonic()
+    try:
+        with talking_to("rollout", [1], "generation (receiving responses)"):
+            bridge.recv_object(1)
+    except PeerLostError as err:
+        return str(err), time.monotonic() - start
+    finally:
+        liveness.stop()
+
+
+def test_a_peer_stopped_mid_transfer_is_named_by_its_heartbeat():
+    """A gloo recv cannot be polled: it is waited on in a helper thread while the heartbeats are watched (the
+    receive hung for good when the sender stopped after ringing its bell: the split liveness test's flake)."""
+    (message, waited), _ = run_distributed(_stopped_mid_send, 2, free_port(), timeout=90)
+    assert message.startswith("rollout rank 1 died or stopped answering during generation (receiving"), message
+    assert waited < 8
+
+
 @pytest.mark.slow
 def test_a_stopped_rollout_rank_ends_the_job_with_its_rank(tmp_path):
     """SIGSTOP of the rollout rank (alive, connections open, silent: what gloo and nccl cannot see): the

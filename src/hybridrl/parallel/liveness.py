@@ -147,6 +147,11 @@ def wait_alive(work, peers, check_s: float = 1.0) -> None:
     work.wait()  # raises the op's own error, if any
 
 
+def wait_until(done, peers, check_s: float = 1.0) -> None:
+    """Until `done()`, for as long as `peers` beat (PeerDied when one stops); call only with heartbeats on."""
+    _poll(done, beating(), peers, check_s)
+
+
 def wait_key(store, key: str, peers, check_s: float = 1.0) -> None:
     """Wait until `key` is in `store`, for as long as `peers` beat (a plain `store.wait` without heartbeats)."""
     beats = beating()

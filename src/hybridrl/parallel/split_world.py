@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -118,6 +119,29 @@ class Bridge:
     def _wait(self, work) -> None:
         liveness.wait_alive(work, self.members)
 
+    @staticmethod
+    def _wait_point_to_point(work, peer: int) -> None:
+        """`work.wait()` of a gloo send or recv, whose is_completed stays False until it is waited on: waited on in
+        a helper thread while this one watches `peer`'s heartbeats, so a peer stopped mid-transfer (its bell
+        rung, its bytes not all sent) ends the wait with PeerDied instead of hanging it."""
+        if liveness.beating() is None:
+            work.wait()
+            return
+        done, failed = threading.Event(), []
+
+        def wait():
+            try:
+                work.wait()
+            except BaseException as err:  # noqa: BLE001 - raised again on the calling thread
+                failed.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="bridge-transfer", daemon=True).start()
+        liveness.wait_until(done.is_set, [peer])
+        if failed:
+            raise failed[0]
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         self.start_broadcast(tensor, src)()
         return tensor
@@ -147,10 +171,10 @@ class Bridge:
     def send_object(self, payload: torch.Tensor, dst: int) -> None:
         """Bytes from `serialize` to the member `dst` only (it calls `recv_object`); host groups (gloo).
         A store key announces each message and its size: the receiver waits on it, polling the sender's
-        heartbeats (a gloo recv cannot be polled), then receives bytes already on their way."""
+        heartbeats, then receives bytes already on their way (both ends watching the other's heartbeats)."""
         key = self._bell(self.rank, dst)
         self.store.set(key, str(payload.numel()))
-        self.pg.send([payload], self.index[dst], 0).wait()
+        self._wait_point_to_point(self.pg.send([payload], self.index[dst], 0), dst)
 
     def send_to_groups(self, parts, group_of: dict) -> None:
         """`parts`: (group, obj) pairs; each obj is serialized once and sent to every member r with
@@ -165,7 +189,7 @@ class Bridge:
         liveness.wait_key(self.store, key, [src])
         payload = torch.empty(int(self.store.get(key)), dtype=torch.uint8)
         self.store.delete_key(key)
-        self.pg.recv([payload], self.index[src], 0).wait()
+        self._wait_point_to_point(self.pg.recv([payload], self.index[src], 0), src)
         return _deserialize(payload)
 
     def _bell(self, src: int, dst: int) -> str:
