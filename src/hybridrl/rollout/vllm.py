@@ -200,8 +200,13 @@ class VLLMEngine:
     def needs_weights(self) -> bool:
         """A sleep discarded the weights and they have not all been streamed in again: the caller syncs them
         before the next generate (verl streams them in at every switch to rollout mode)."""
-        return self._discarded and self.spec is not None and bool(
-            set(hc.mcore_to_hf_name_map(self.spec)) - self._reloaded)
+        return bool(self._missing())
+
+    def _missing(self) -> list:
+        """The weights a sleep discarded that have not been streamed in again (sorted HF names)."""
+        if not self._discarded or self.spec is None:
+            return []
+        return sorted(set(hc.mcore_to_hf_name_map(self.spec)) - self._reloaded)
 
     @property
     def _model_config(self):
@@ -244,12 +249,11 @@ class VLLMEngine:
 
     def _ready_to_generate(self) -> None:
         """Every weight streamed in since a sleep discarded them; vLLM's post-load step once after the last bucket."""
-        if self._discarded and self.spec is not None:
-            missing = sorted(set(hc.mcore_to_hf_name_map(self.spec)) - self._reloaded)
-            if missing:
-                raise RuntimeError(f"vLLM discarded its weights at sleep (level {SLEEP_LEVEL}) and {len(missing)} "
-                                   f"were not streamed in again ({missing[:3]}); run reshard.update_engine_weights "
-                                   "before generate")
+        missing = self._missing()
+        if missing:
+            raise RuntimeError(f"vLLM discarded its weights at sleep (level {SLEEP_LEVEL}) and {len(missing)} "
+                               f"were not streamed in again ({missing[:3]}); run reshard.update_engine_weights "
+                               "before generate")
         self._discarded = False
         if not self._processed:
             self.llm.collective_rpc(process_weights_on_worker)
