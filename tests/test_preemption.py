@@ -93,6 +93,14 @@ def test_stop_file_and_time_limit(tmp_path):
     run = _start(tmp_path / "limit", ["trainer.max_runtime=00:00:01"])
     code, _, reason, _ = _stopped(run, tmp_path / "limit")
     assert code == 75 and reason == "time limit"
+    # a limit (or a stop file) met at the last step ends the run as planned: exit 0, no requeue asked for
+    (tmp_path / "last" / "ckpt").mkdir(parents=True)
+    (tmp_path / "last" / "ckpt" / "STOP").touch()
+    run = _start(tmp_path / "last", ["trainer.max_runtime=00:00:01", "trainer.total_training_steps=1"])
+    assert ends_within([run], 120) == [0]
+    out = (tmp_path / "last" / "out.log").read_text()
+    assert "saved on signal" not in out and "stop requested at the last step 1" in out, out[-2000:]
+    assert not (tmp_path / "last" / "ckpt" / "STOPPED").exists() and not (tmp_path / "last" / "ckpt" / "STOP").exists()
 
 
 @pytest.mark.slow

@@ -321,6 +321,10 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
             profile_steps.append(metrics)
         saver.poll()
         reason = stops.agreed(groups.device)
+        if reason and step == total:  # the run is complete: nothing to resume, no requeue
+            print0(f"stop requested at the last step {step} ({reason}): the run ends as planned")
+            stops.served()
+            reason = ""
         if (tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total)) or reason:
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
             _save(saver, trainer, feed.resume_state(), step)

@@ -117,6 +117,12 @@ class StopRequests:
         if stop_file_served(self.stop_file, latest_checkpoint):
             os.remove(self.stop_file)
 
+    def served(self) -> None:
+        """Rank 0: the stop file asked for a stop the run's own end gave (its last step); a later run with
+        more steps must not stop on it."""
+        if self.stop_file and dist.get_rank() == 0 and os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
+
     def mark_stopped(self, step: int, reason: str) -> None:
         """Rank 0, after the save: STOPPED beside the stop file says this run saved and stopped early."""
         if self.stop_file and dist.get_rank() == 0:
