@@ -410,3 +410,43 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
         errors = run_distributed(_save_failing_on_one_rank, 2, str(root), where)
         assert errors[0] == errors[1] and cause in errors[0] and "the last complete checkpoint is none yet" in errors[0]
     assert CheckpointManager(str(tmp_path / "ckpt")).complete_steps() == []
+
+
+def _sleep(seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+def _raise_write_failure():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    raise CheckpointException("write", {0: (OSError(28, "No space left on device"), "")})
+
+
+def _abandoned_async_save(root):
+    """Rank body: an async save of two roles (one writer process each, as megatron-core's AsyncCallsQueue
+    starts them) whose first role fails at once while the second is still writing; the pids of the writer
+    processes still running once the failure is reported."""
+    import psutil
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    from hybridrl.checkpoint.writer import CheckpointWriter
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    init_model_parallel(1, 1)
+    writer = CheckpointWriter(CheckpointManager(root), async_save=True)
+    writer.queue.schedule_async_request(AsyncRequest(_sleep, (0,), [_raise_write_failure]))
+    writer.queue.schedule_async_request(AsyncRequest(_sleep, (4,), []))
+    writer.pending = 7
+    with pytest.raises(CheckpointError, match="could not write the checkpoint of step 7"):
+        writer.finalize()
+    return [p.pid for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+
+
+def test_a_failed_async_save_leaves_no_writer_running(tmp_path):
+    """The other roles' writers are waited for before the error goes up: one that outlived the run wrote into
+    the results queue of a manager already stopped and printed a traceback under the run's one error line."""
+    from dist_helper import run_distributed
+
+    assert run_distributed(_abandoned_async_save, 1, str(tmp_path))[0] == []

@@ -201,7 +201,25 @@ class CheckpointWriter:
         try:
             self.queue.maybe_finalize_async_calls(blocking=blocking)
         except (OSError, CheckpointException) as err:  # a shard the background writer could not write
+            self._abandon_pending()
             raise self._failed(self.pending, err) from None
+
+    def _abandon_pending(self) -> None:
+        """After a failed async write: wait for the writers of the save's other roles (one process each) and
+        drop their results. Left running, one outlived the run and its results queue (megatron's manager
+        process, stopped at exit) and printed a traceback under the run's one error line."""
+        import queue
+
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        while self.queue.async_calls:
+            self.queue.async_calls.popleft().async_caller.close()
+        results = getattr(filesystem_async, "_results_queue", None)
+        while results is not None:
+            try:
+                results.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                break
 
 
 def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict:
