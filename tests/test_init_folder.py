@@ -56,3 +56,27 @@ def test_qwen3_head_dim_reaches_the_init_folder(tmp_path):
     from the fields as from the folder."""
     (got,) = run_distributed(_qwen3_init, 1, str(tmp_path))
     assert got == (24, 8, True)
+
+
+def _built_with_cache(root, cache):
+    """Three runs' init folders of one config: the first builds and keeps its build in `cache`, the second copies
+    the kept one (a marker file added to it comes along), the third has no cache and builds its own."""
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.roles import INIT_CACHE_ENV, init_model_folder
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu.yaml")
+    folders = []
+    for name, env in (("first", cache), ("second", cache), ("alone", "")):
+        if name == "second":
+            (kept,) = [d for d in os.listdir(cache)]
+            open(os.path.join(cache, kept, "marker"), "w").close()
+        os.environ[INIT_CACHE_ENV] = env
+        folders.append(init_model_folder(load_config(config, [f"trainer.default_local_dir={root}/{name}"]), 64))
+    return [{n: open(os.path.join(f, n), "rb").read() for n in sorted(os.listdir(f))} for f in folders]
+
+
+def test_kept_init_folders_are_copied_and_equal_a_fresh_build(tmp_path):
+    first, second, alone = run_distributed(_built_with_cache, 1, str(tmp_path), str(tmp_path / "cache"))[0]
+    assert "marker" in second and "marker" not in first  # the second run copied the kept build
+    second.pop("marker")
+    assert first == second == alone and "model.safetensors" in alone  # byte for byte what a build writes

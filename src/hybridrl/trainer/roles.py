@@ -61,11 +61,47 @@ def init_model_folder(cfg: Config, vocab_size: int) -> str:
     record_path = os.path.join(folder, INIT_RECORD)
     if dist.get_rank() == 0 and _read_json(record_path) != record:
         shutil.rmtree(folder, ignore_errors=True)
-        random_hf_model_folder(folder, m.architecture, **fields)
-        with open(record_path, "w") as f:
-            json.dump(record, f, indent=1)
+        kept = _kept_init(record)
+        if kept and os.path.isfile(os.path.join(kept, INIT_RECORD)):
+            shutil.copytree(kept, folder)
+        else:
+            random_hf_model_folder(folder, m.architecture, **fields)
+            with open(record_path, "w") as f:
+                json.dump(record, f, indent=1)
+            _keep_init(folder, kept)
     dist.barrier()
     return folder
+
+
+INIT_CACHE_ENV = "HYBRIDRL_INIT_CACHE"
+"""A folder where random init folders are kept by record: a run whose record was built before copies that build
+instead of building it again (the build imports transformers' modeling code, a second or more per run start).
+Unset (the default), every run builds its own; the test suite sets it."""
+
+
+def _kept_init(record: dict) -> str | None:
+    """Where $HYBRIDRL_INIT_CACHE keeps the build of `record` (with the torch and transformers versions that
+    decide its random values), or None when unset."""
+    import hashlib
+    from importlib.metadata import version
+
+    cache = os.environ.get(INIT_CACHE_ENV, "")
+    if not cache:
+        return None
+    key = json.dumps([record, torch.__version__, version("transformers")], sort_keys=True)
+    return os.path.join(os.path.expanduser(cache), hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _keep_init(folder: str, kept: str | None) -> None:
+    """Copy a fresh build to its cache place, whole or not at all (another process may be keeping the same one)."""
+    if not kept:
+        return
+    tmp = f"{kept}.{os.getpid()}.tmp"
+    try:
+        shutil.copytree(folder, tmp)
+        os.rename(tmp, kept)
+    except OSError:  # kept meanwhile by another run, or the cache is not writable: this run has its own build
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 INIT_RECORD = "hybridrl_init.json"
