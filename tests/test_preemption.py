@@ -145,7 +145,7 @@ def _saving(ckpt) -> list:
 def test_kill_9_leaves_no_process_behind(tmp_path, moment):
     """kill -9 of a single-process run (while it starts, or inside a save: megatron's checkpoint writer
     processes, sync or async, running): within 5 s nothing of that run is left (children die with their
-    parent), and the next run on the machine starts."""
+    parent), and (checked after the async save's kill) the next run on the machine starts."""
     import psutil
 
     extra, marker = KILL_MOMENTS[moment]
@@ -169,6 +169,8 @@ def test_kill_9_leaves_no_process_behind(tmp_path, moment):
     while members() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not members(), [p.cmdline() for p in members()]
+    if moment != "async save":  # the next run's start: once, after the kill that left the most behind to clean
+        return
     nxt = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
                          + _overrides(tmp_path / "next", ["trainer.total_training_steps=1"]), capture_output=True,
                          text=True, cwd=ROOT, timeout=180, env={k: v for k, v in os.environ.items() if k != "MASTER_PORT"})
