@@ -1,6 +1,7 @@
 """Checkpoint folders: atomic publication, keep-last-K per role, pointer, partial folders never taken; a run
 SIGKILLed in the middle of a save; every bad resume input ends in one `error:` line of train_ppo.py; a save
 into a folder that cannot take it ends the run with one `error:` line and the last checkpoint intact."""
+import glob
 import json
 import os
 import re
@@ -218,9 +219,23 @@ KILL_IN_SAVE = textwrap.dedent("""
 """)
 
 
+TB = "trainer.logger=[console,tensorboard]"
+
+
+def _tensorboard_steps(log_dir, tag) -> list:
+    """The steps of `tag`'s points as TensorBoard shows them: every event file of the run's folder read in order
+    as one run, an earlier run's points past a resumed run's start purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (folder,) = {os.path.dirname(p) for p in glob.glob(f"{log_dir}/**/events.out.tfevents.*", recursive=True)}
+    acc = EventAccumulator(folder, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
 @pytest.mark.slow
 def test_killed_mid_save_then_auto_resume_and_bad_inputs(tmp_path):
-    args = ["--config", TINY] + _overrides(tmp_path, ["trainer.logger=[console]", "trainer.total_training_steps=3",
+    args = ["--config", TINY] + _overrides(tmp_path, [TB, "trainer.total_training_steps=3",
                                                       "trainer.save_freq=1", "algorithm.adv_estimator=gae"])
     proc = subprocess.run([sys.executable, "-c", KILL_IN_SAVE] + args, capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -228,11 +243,13 @@ def test_killed_mid_save_then_auto_resume_and_bad_inputs(tmp_path):
     root = tmp_path / "ckpt"
     assert os.listdir(root / "global_step_2.tmp" / "actor") and not (root / "global_step_2.tmp" / "meta.json").exists()
     assert CheckpointManager(str(root), 2).latest().endswith("global_step_1")
-    resumed = _script(tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=1", "algorithm.adv_estimator=gae"])
+    resumed = _script(tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=1", "algorithm.adv_estimator=gae", TB])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {root / 'global_step_1'} at step 1" in resumed.stdout
     assert sorted(CheckpointManager(str(root), 2).complete_steps()) == [1, 2]
     assert not (root / "global_step_2.tmp").exists() and read_meta(str(root / "global_step_2"))["roles"] == ["actor", "critic"]
+    # TensorBoard reads the folder as one run: the killed run's step 2 is dropped, the resumed run's stands alone
+    assert _tensorboard_steps(tmp_path / "tb", "actor/pg_loss") == [1, 2]
     # a bad resume input through the script (a checkpoint this model cannot load): one `error:` line naming
     # the problem and the fix; test_resume_path_messages has the path checks made before any model is built
     _one_error(_script(tmp_path / "c", [f"trainer.resume_mode={root / 'global_step_2'}", "model.intermediate_size=96",

@@ -197,6 +197,16 @@ class MetricsWriter:
             self.wandb.define_metric(STEP_KEY)
             self.wandb.define_metric("*", step_metric=STEP_KEY)
 
+    def resumed_at(self, step: int) -> None:
+        """The run goes on from a checkpoint of step `step`: TensorBoard drops what an earlier run logged in this
+        folder past it (a SessionLog START at step + 1, what SummaryWriter(purge_step=) writes), so a curve
+        resumed from an older checkpoint continues from there instead of holding both runs' later points."""
+        if self.tb is not None:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self.tb._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+            self.tb.flush()
+
     def log(self, metrics: Dict[str, float], step: int, console_keys=None, console: bool = True) -> None:
         """TensorBoard and W&B always; a console line (console_keys, else all) when `console`."""
         if not self.enabled:

@@ -247,6 +247,8 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
             roles.critic.stop()
         return code
     start = _resume(trainer, resume_from, train_loader)
+    if start:
+        writer.resumed_at(start)
     trainer.sync_rollout_weights()  # the starting weights, fresh or resumed: sent once
     val_history = []  # (step, validation metrics) of every validation, for the closing trend
     if val_loader is not None and tc.val_before_train and start == 0:
