@@ -467,3 +467,19 @@ def test_a_failed_async_save_leaves_no_writer_running(tmp_path):
     from dist_helper import run_distributed
 
     assert run_distributed(_abandoned_async_save, 1, str(tmp_path))[0] == []
+
+
+def test_rng_streams_are_restored_at_the_same_layout_only():
+    """Context and expert parallel sizes count: at CP 2 rank 1 is the second half of rank 0's rows, at CP 1 and
+    DP 2 it is another replica, so its RNG streams are not rank 1's there. A checkpoint from before CP and EP
+    were recorded is CP 1, EP 1."""
+    from types import SimpleNamespace
+
+    from hybridrl.checkpoint.writer import same_layout
+    from hybridrl.trainer.loop import _layout
+
+    cp2 = _layout(SimpleNamespace(tp=1, pp=1, dp=2, cp=2, ep=1))
+    dp2 = _layout(SimpleNamespace(tp=1, pp=1, dp=2, cp=1, ep=1))
+    ep2 = _layout(SimpleNamespace(tp=1, pp=1, dp=2, cp=1, ep=2))
+    assert not same_layout(cp2, dp2) and not same_layout(ep2, dp2) and same_layout(cp2, dict(cp2))
+    assert same_layout({"tp": 1, "pp": 1, "dp": 2}, dp2) and not same_layout({"tp": 1, "pp": 1, "dp": 2}, cp2)

@@ -222,6 +222,13 @@ class CheckpointWriter:
                 break
 
 
+def same_layout(saved: dict, current: dict) -> bool:
+    """Whether rank r's saved RNG streams are rank r's here: every parallel size equal (context and expert
+    parallel 1 where a checkpoint from before they were recorded does not say)."""
+    sizes = {"cp": 1, "ep": 1}
+    return {**sizes, **saved} == {**sizes, **current}
+
+
 def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict:
     """Load `workers` from a published folder at this run's layout; returns its meta.json."""
     meta = read_meta(path, RUN_KEYS)
@@ -240,7 +247,7 @@ def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict
                                   f"with the algorithm.adv_estimator it was saved with, or trainer.resume_mode=disable")
         load_role(worker, folder, role)
     rng = _rng_file(path, dist.get_rank())
-    if meta["layout"] == layout and os.path.isfile(rng):
+    if same_layout(meta["layout"], layout) and os.path.isfile(rng):
         with naming_damage(path, RNG_DIR, path=rng):
             state = torch.load(rng, weights_only=False)
         set_rng_state(state)

@@ -87,7 +87,8 @@ def _remote_roles(roles) -> dict:
 
 
 def _layout(groups) -> dict:
-    return {"tp": groups.tp, "pp": groups.pp, "dp": groups.dp}
+    """What decides which rank a saved RNG stream belongs to (checkpoint.writer.same_layout)."""
+    return {"tp": groups.tp, "pp": groups.pp, "dp": groups.dp, "cp": groups.cp, "ep": groups.ep}
 
 
 IN_FLIGHT = "in_flight.pt"
