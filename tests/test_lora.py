@@ -284,3 +284,33 @@ def test_the_adapter_config_of_an_moe_model_names_only_its_attention():
     assert adapter_config(cfg, "base", moe=True)["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert adapter_config(cfg, "base")["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                              "up_proj", "down_proj"]
+
+
+def _dropout_masks():
+    """TP 2: the adapter dropout masks (p = 0.5, 64 x 16 ones) of a row-parallel and a column-parallel LoRA linear
+    on this rank, drawn as the forward draws them."""
+    import torch.distributed as dist
+
+    from hybridrl.models.lora import Adapter, LoraLinear
+    from hybridrl.parallel.distributed import init_model_parallel
+
+    groups = init_model_parallel(2, 1)
+    adapter = Adapter(torch.zeros(RANK, 16), 8, 0.5).train()
+    masks = {}
+    for kind, column in (("row", False), ("column", True)):
+        linear = LoraLinear.__new__(LoraLinear)
+        linear.lora_column, linear.tp_group, linear.explicit_expert_comm = column, groups.tp_group, False
+        masks[kind] = linear._dropped(adapter, torch.ones(64, 16)) != 0
+    gathered = [None, None]
+    dist.all_gather_object(gathered, masks)
+    return gathered
+
+
+def test_row_parallel_adapter_dropout_differs_over_tp_ranks():
+    """A row-parallel input is split over TP: each slice gets its own mask (megatron's model-parallel stream), not
+    one mask repeated on every slice; a column-parallel input is whole on both ranks and gets the same mask."""
+    rank0, rank1 = run_distributed(_dropout_masks, 2)[0]
+    for masks in (rank0, rank1):
+        assert 0.3 < masks["row"].float().mean() < 0.7  # dropout ran (p = 0.5)
+    assert not torch.equal(rank0["row"], rank1["row"])
+    assert torch.equal(rank0["column"], rank1["column"])

@@ -95,8 +95,22 @@ class LoraLinear:
                 continue
             adapter = self.lora_adapters[part]
             a, b = self._factors(adapter)
-            pieces.append(F.linear(F.linear(adapter.dropout(x), a), b) * self.lora_scaling)
+            pieces.append(F.linear(F.linear(self._dropped(adapter, x), a), b) * self.lora_scaling)
         return self._assemble(pieces, -1)
+
+    def _dropped(self, adapter: Adapter, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's dropout on x. A row-parallel input is this TP rank's slice of the features: its mask comes
+        from megatron's model-parallel RNG stream (one per TP rank, the expert one in expert layers), as megatron
+        drops what is split over TP. The default stream, equal on every TP rank, repeated one mask on every slice.
+        A column-parallel input is whole on every rank: the default stream gives each rank the same mask."""
+        if not adapter.training or isinstance(adapter.dropout, torch.nn.Identity) or self.lora_column \
+                or _tp_size(self.tp_group) == 1:
+            return adapter.dropout(x)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        stream = get_expert_parallel_rng_tracker_name() if self.explicit_expert_comm else None
+        with get_cuda_rng_tracker().fork(*([stream] if stream else [])):
+            return adapter.dropout(x)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
