@@ -100,6 +100,12 @@ def unwrap_model(model):
     return model
 
 
+def sample_weight(model) -> torch.Tensor:
+    """One of the model's weights (the first parameter), for what every weight shares (dtype, device): without
+    building a state dict, which walks every module (a handoff asked four times)."""
+    return next(unwrap_model(model).parameters())
+
+
 def weight_state(model) -> dict[str, torch.Tensor]:
     """The model's state dict without megatron's weightless `_extra_state` entries and LoRA adapters; inside
     `lora.merged_weights(model)` the adapted weights read as merged, one tensor at a time."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.models.hf_checkpoint import weight_state
+from hybridrl.models.hf_checkpoint import sample_weight
 from hybridrl.placement.fingerprint import Fingerprints
 
 
@@ -140,7 +140,7 @@ def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bo
     device and dtype, EP 1, with a fingerprint check (or none) whose words both ends can read alike."""
     if not hasattr(engine, "layout_targets") or verify == "exact" or groups.ep > 1:
         return False
-    sample = next(iter(weight_state(model).values()))
+    sample = sample_weight(model)
     rt, _, dtype = engine.shard_layout()
     return (dtype == sample.dtype and getattr(engine, "device", None) == sample.device
             and all(words_align(g, spec, groups.tp, rt, dtype) for g in hc.hf_to_mcore_name_map(spec)))

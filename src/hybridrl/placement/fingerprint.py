@@ -52,7 +52,7 @@ def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
 
 def _weights(n: int, device: torch.device, kind: str) -> torch.Tensor:
     """n position weights: odd ones for rows, even ones for columns (cached per device)."""
-    key = (str(device), kind)
+    key = (device, kind)
     have = _POSITION_WEIGHTS.get(key)
     if have is None or have.numel() < n:
         size = 1 << max(n - 1, 63).bit_length()  # a power of two >= n: few regrowths, little slack

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.models.hf_checkpoint import global_weight_state, weight_state
+from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight, weight_state
 from hybridrl.placement import engine_layout as el
 from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digests
 from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, check_identity, require_reported,
@@ -392,7 +392,7 @@ def _share(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str)
 def shares_weights(engine, model, groups) -> bool:
     """The engine can read this rank's training tensors themselves: it offers `share_shards`, takes
     them as they are (`takes_shards`: same TP layout and dtype, PP 1, EP 1) and lives on their device."""
-    sample = next(iter(weight_state(model).values()))
+    sample = sample_weight(model)
     return (hasattr(engine, "share_shards") and getattr(engine, "device", None) == sample.device
             and takes_shards(engine, model, groups))
 
@@ -400,7 +400,7 @@ def shares_weights(engine, model, groups) -> bool:
 def takes_shards(engine, model, groups) -> bool:
     """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1, EP 1."""
     layout = getattr(engine, "shard_layout", None)
-    dtype = next(iter(weight_state(model).values())).dtype
+    dtype = sample_weight(model).dtype
     return layout is not None and groups.pp == 1 and groups.ep == 1 and layout() == (groups.tp, groups.tp_rank, dtype)
 
 
@@ -440,7 +440,7 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    dtype = next(iter(weight_state(model).values())).dtype
+    dtype = sample_weight(model).dtype
     largest = max(_full_bytes(g, spec, groups.tp, dtype) for g in hc.hf_to_mcore_name_map(spec))
     cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if cuda and measure_memory else 0
     shown = "identity" if shared and verify != "off" else verify
