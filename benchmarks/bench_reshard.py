@@ -224,9 +224,9 @@ def report(results: dict, reps: int) -> tuple:
     samples = [x for res in results.values() for c in res.values() for x in c["samples"]]
     cores, load = os.cpu_count() or 1, max(load for _, load in samples)
     if load > cores:
-        text += (f"\n\nThe machine was oversubscribed while this ran (1-minute load up to {load:.1f} on {cores} cores, "
-                 f"shared with other jobs): every rate above is what two ranks got of it, and the ratios of timings "
-                 f"taken moments apart carry that noise.")
+        text += (f"\n\nMore was runnable than there are cores while this ran (1-minute load up to {load:.1f} on {cores} "
+                 f"cores, the bench's own two ranks included): every rate above is what two ranks got of it, and the "
+                 f"ratios of timings taken moments apart carry that noise.")
     summary = [["reshard verified 64 MiB handoff >= 70% of the collectives alone",
                 f"worst **{worst[8].strip('*')}** ({worst[0]} {worst[2]}); vs sustained memcpy worst {copy_worst[9]}",
                 verdict] + bl.stamp(samples),
