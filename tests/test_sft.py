@@ -174,3 +174,12 @@ def test_loss_equal_at_tp2_pp2_dp2_and_hf_export(tmp_path):
     saved = load_tokenizer(folder)
     assert saved.encode('<tool_call>{"a": 1}</tool_call>') == TOK.encode('<tool_call>{"a": 1}</tool_call>')
     assert not os.path.exists(folder + ".tmp") and not os.path.exists(folder + ".old")
+
+
+def test_epochs_decide_the_length_unless_steps_are_set():
+    """As verl's SFT trainer (total_training_steps null): sft.total_epochs alone sets the run's length; a set
+    sft.total_training_steps decides alone (it was 100 by default, so total_epochs=3 ran 100 steps)."""
+    from hybridrl.sft.trainer import sft_steps
+
+    assert sft_steps(_cfg(total_epochs=3), batches_per_epoch=2) == 6
+    assert sft_steps(_cfg(total_epochs=3, total_training_steps=5), batches_per_epoch=2) == 5

@@ -95,10 +95,10 @@ class SFTConfig:
     """Trajectories per optimizer step, over all DP ranks."""
     micro_batch_size_per_gpu: int = 8
     """Trajectories per forward/backward on one DP rank."""
-    total_training_steps: int = 100
-    """Optimizer steps (0: total_epochs over the data)."""
+    total_training_steps: int = 0
+    """Optimizer steps; 0 (the default, as verl's null): total_epochs over the data."""
     total_epochs: int = 1
-    """Epochs over the data when total_training_steps is 0."""
+    """Epochs over the data when total_training_steps is 0 (a set total_training_steps decides alone)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and LR schedule of the SFT run."""
     output_dir: str = "outputs/sft/hf"

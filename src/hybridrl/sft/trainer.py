@@ -122,11 +122,16 @@ def _setup(cfg: Config):
     return le, tokenizer, groups, sft_loader(cfg, tokenizer, groups)
 
 
+def sft_steps(sft, batches_per_epoch: int) -> int:
+    """sft.total_training_steps, or with 0 (the default) sft.total_epochs passes over the data."""
+    return sft.total_training_steps or batches_per_epoch * sft.total_epochs
+
+
 def run_sft(cfg: Config) -> int:
     from hybridrl.trainer.loop import open_writer
 
     le, tokenizer, groups, loader = _setup(cfg)
-    total = cfg.sft.total_training_steps or len(loader) * cfg.sft.total_epochs
+    total = sft_steps(cfg.sft, len(loader))
     writer = open_writer(cfg, le.rank == 0, suffix="_sft")
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
     losses = []

@@ -78,7 +78,8 @@ def check_one_step(what: str, fix: str, ppo_epochs: int, rows: int, mini_batch_r
 
 def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, apply: bool = True,
                 advance: bool = True):
-    """Sum micro-batch metrics over DP, then take the optimizer step (skipped on a non-finite loss);
+    """Sum micro-batch metrics over DP, then take the optimizer step (a non-finite loss or grad norm stops the run;
+    fp16 with a loss scaler skips the overflowing step instead);
     `advance`: this step is a whole training step, so the LR schedule moves on. Metrics may be device
     tensors: they are summed where they are and read once (`dp_sum`), not once per micro-batch."""
     summed = {}
