@@ -183,3 +183,26 @@ def test_epochs_decide_the_length_unless_steps_are_set():
 
     assert sft_steps(_cfg(total_epochs=3), batches_per_epoch=2) == 6
     assert sft_steps(_cfg(total_epochs=3, total_training_steps=5), batches_per_epoch=2) == 5
+
+
+def test_openai_tool_calls_are_trained_as_the_agent_loops_text():
+    """An assistant turn with OpenAI-style `tool_calls` (content None) tokenizes as the same turn with the Hermes
+    <tool_call> text the agent loop parses (they were dropped: an empty turn was trained); a malformed call is one
+    DataError naming it."""
+    from hybridrl.data.prompts import DataError
+    from hybridrl.data.tool_demos import tool_call_text
+    from hybridrl.sft.data import _check_messages, tokenize_trajectory
+    from hybridrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny_tools")
+    tail = [{"role": "tool", "content": "391"}, {"role": "assistant", "content": "391"}]
+    openai = [{"role": "user", "content": "23*17="},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "23*17"}'}}]}]
+    hermes = [{"role": "user", "content": "23*17="}, {"role": "assistant", "content": tool_call_text("23*17")}]
+    got = tokenize_trajectory(tok, _check_messages(openai + tail, "row 0"))
+    assert got == tokenize_trajectory(tok, _check_messages(hermes + tail, "row 0"))
+    assert sum(got[1]) > 2 * len("391")  # the call's text is trained, not only the two answers
+    bad = [openai[0], {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{"}}]}]
+    with pytest.raises(DataError, match="row 0: message 1: tool call .* needs a function name"):
+        _check_messages(bad, "row 0")

@@ -1,6 +1,7 @@
 """Chat trajectories for SFT: parquet rows of messages -> token ids and an assistant-only loss mask.
 
-A row's `sft.messages_key` column holds [{role, content}, ...]: the messages before the first
+A row's `sft.messages_key` column holds [{role, content}, ...] (an assistant turn's OpenAI-style `tool_calls`
+become the Hermes <tool_call> text the agent loop parses, after its content): the messages before the first
 assistant turn are the prompt (rendered by the chat template, as RL prompts are), then assistant
 turns and runs of other messages (tool results, user turns) alternate. Each assistant turn is its
 content followed by eos (loss mask 1); each run in between is `tokenizer.continuation_text` (mask 0),
@@ -10,6 +11,7 @@ input raises one DataError naming file, row and the fix. No models, no torch.dis
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Dict, Iterator, List, Sequence, Tuple
 
@@ -37,14 +39,41 @@ def read_trajectories(path: str, key: str) -> List[object]:
 def _check_messages(value, where: str) -> List[Dict[str, str]]:
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(f"{where}: must be a non-empty list of messages; {_ROW_FIX}")
+    out = []
     for j, m in enumerate(value):
-        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if calls and content is None:  # OpenAI's form of a turn that only calls tools
+            content = ""
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise DataError(f"{where}: message {j} needs a string 'role' and 'content' ({m!r:.80}); {_ROW_FIX}")
-    roles = [m["role"] for m in value]
+        if calls:
+            content += "".join(_tool_call_text(call, f"{where}: message {j}") for call in calls)
+        out.append({"role": m["role"], "content": content})
+    roles = [m["role"] for m in out]
     if "assistant" not in roles or roles[0] == "assistant":
         raise DataError(f"{where}: needs a prompt message and then at least one assistant message "
                         f"(roles {roles}); {_ROW_FIX}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return out
+
+
+def _tool_call_text(call, where: str) -> str:
+    """An OpenAI-style tool call ({"function": {"name", "arguments"}}, arguments a JSON string or an object) as the
+    Hermes text the agent loop parses from a model turn (rollout/tools.py): trained as part of the turn, as verl's
+    chat-template rendering trains it (dropping it left an empty turn to learn)."""
+    from hybridrl.rollout.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    name, args = (fn.get("name"), fn.get("arguments", {})) if isinstance(fn, dict) else (None, None)
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            args = None
+    if not isinstance(name, str) or not isinstance(args, dict):
+        raise DataError(f"{where}: tool call {call!r:.120} needs a function name and JSON-object arguments, as "
+                        "{'type': 'function', 'function': {'name': ..., 'arguments': {...}}}")
+    return f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': args})}{TOOL_CALL_CLOSE}"
 
 
 def tokenize_trajectory(tokenizer: Tokenizer, messages: Sequence[Dict[str, str]]) -> Tuple[List[int], List[int]]:
