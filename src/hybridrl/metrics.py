@@ -18,8 +18,9 @@ class StageTimer:
     """`with timer("gen"):` accumulates wall time into `timing_s/gen` for the current step.
 
     On CUDA it also keeps each stage's peak allocated memory (`perf/max_memory_allocated_gb/gen`),
-    the measured side of the planner's phases, and the step's peaks under verl's names
-    (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`). Stages may nest (`gen` holds
+    the measured side of the planner's phases, and rank 0's peaks over the step's stages
+    (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`: reset every step, generation included;
+    verl logs a worker's lifetime peak as `actor/perf/...`). Stages may nest (`gen` holds
     `generate_sequences`, the engine's own window): an inner stage's peak counts for the outer ones too.
     """
 
@@ -105,16 +106,29 @@ def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max
     out.update(_stats("critic/score", scores))
     if rm_scores is not None:
         out.update(_stats("critic/rm_score", rm_scores))
-    out.update(_stats("critic/rewards", (token_rewards * response_mask).sum(-1)))
+    # as verl: each row's summed token rewards, unmasked (they are zero past the response already), so a row or
+    # token that rejection sampling left out of the loss keeps its reward here
+    out.update(_stats("critic/rewards", token_rewards.sum(-1)))
     out.update(_masked_stats("critic/advantages", advantages, response_mask))
     out.update(_masked_stats("critic/returns", returns, response_mask))
     if values is not None:
         out.update(_masked_stats("critic/values", values, response_mask))
+        out.update(_explained_variance(returns, values, response_mask))
     out.update(_stats("response_length", lengths))
     out["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
     if prompt_mask is not None:
         out.update(_stats("prompt_length", prompt_mask.sum(-1).float()))
     return out
+
+
+def _explained_variance(returns, values, mask) -> Dict[str, float]:
+    """verl's critic/vf_explained_var: 1 - Var(returns - values) / (Var(returns) + 1e-5) over the response tokens
+    (unbiased variances, as torch.var); absent below two tokens."""
+    keep = mask.bool()
+    r, v = returns[keep].double(), values[keep].double()
+    if r.numel() < 2:
+        return {}
+    return {"critic/vf_explained_var": (1.0 - torch.var(r - v) / (torch.var(r) + 1e-5)).item()}
 
 
 def throughput_metrics(timings: Dict[str, float], num_tokens: int, world_size: int) -> Dict[str, float]:

@@ -1,0 +1,31 @@
+"""verl's data metrics of a step (metric_utils.compute_data_metrics in verl 0.9.1), by hand."""
+import numpy as np
+import pytest
+import torch
+
+from hybridrl.algos import token_rewards_from_scores
+from hybridrl.metrics import batch_metrics
+
+
+def _metrics(rejected_mask, values=None):
+    scores = torch.tensor([1.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # as generated
+    token_rewards = token_rewards_from_scores(scores, mask)
+    returns = torch.tensor([[1.0, 0.5, 0.0], [2.0, 1.0, 0.5]])
+    return batch_metrics(scores, token_rewards, returns, returns, rejected_mask, 3, values=values)
+
+
+def test_rewards_keep_a_row_that_rejection_sampling_left_out():
+    """verl sums token_level_rewards without a mask: row 1 rejected (its mask zeroed) still has reward 1 (it had 0)."""
+    out = _metrics(torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert (out["critic/rewards/mean"], out["critic/rewards/min"]) == (1.0, 1.0)
+    assert out["critic/score/mean"] == 1.0
+
+
+def test_explained_variance_of_the_values_over_response_tokens():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    values = torch.tensor([[0.8, 0.7, 9.0], [1.5, 1.2, 0.1]])
+    out = _metrics(mask, values)
+    r, v = np.array([1.0, 0.5, 2.0, 1.0, 0.5]), np.array([0.8, 0.7, 1.5, 1.2, 0.1])  # the masked 9.0 left out
+    assert out["critic/vf_explained_var"] == pytest.approx(1 - np.var(r - v, ddof=1) / (np.var(r, ddof=1) + 1e-5))
+    assert "critic/vf_explained_var" not in _metrics(mask)  # no critic, no values
