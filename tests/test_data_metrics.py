@@ -29,3 +29,19 @@ def test_explained_variance_of_the_values_over_response_tokens():
     r, v = np.array([1.0, 0.5, 2.0, 1.0, 0.5]), np.array([0.8, 0.7, 1.5, 1.2, 0.1])  # the masked 9.0 left out
     assert out["critic/vf_explained_var"] == pytest.approx(1 - np.var(r - v, ddof=1) / (np.var(r, ddof=1) + 1e-5))
     assert "critic/vf_explained_var" not in _metrics(mask)  # no critic, no values
+
+
+@pytest.mark.parametrize("mode,want", [("token-mean", 1.0), ("seq-mean-token-sum-norm", (2 + 4) / 2 / 8)])
+def test_actor_entropy_is_the_old_policys_reduced_as_the_loss(mode, want):
+    """verl's actor/entropy: the old-log-prob pass's entropy, agg_loss'd with actor.loss_agg_mode over the batch
+    (Dr. GRPO: per-row sums over rows, / the response length 8), not a token mean whatever the mode."""
+    from types import SimpleNamespace
+
+    from hybridrl.trainer.ppo import PPOTrainer
+
+    cfg = SimpleNamespace(actor=SimpleNamespace(loss_agg_mode=mode, loss_scale_factor=None),
+                          data=SimpleNamespace(max_response_length=8))
+    trainer = SimpleNamespace(cfg=cfg, groups=SimpleNamespace(dp=1, device=torch.device("cpu")))
+    mask = torch.zeros(2, 8)
+    mask[0, :2], mask[1, :4] = 1, 1
+    assert PPOTrainer._old_entropy(trainer, torch.ones(2, 8), mask) == pytest.approx(want)

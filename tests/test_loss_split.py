@@ -120,7 +120,7 @@ def _expected_losses(ref, mode):
     # every row of the mini-batch (its global_batch_size)
     scale = 1.0 if mode == "token-mean" else float((mask.sum(-1) > 0).sum()) / B
     return {"actor/pg_loss": pg.item() * scale, "actor/kl_loss": kl.item() * scale,
-            "actor/entropy": algos.agg_loss(ref["entropy"], mask, mode, R).item() * scale}
+            "actor/entropy_loss": algos.agg_loss(ref["entropy"], mask, mode, R).item() * scale}
 
 
 @pytest.mark.distributed

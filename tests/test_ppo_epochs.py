@@ -15,7 +15,7 @@ MINI, EPOCHS, TEMPERATURE = 4, 2, 0.7
 LOW, HIGH, DUAL, ENT, KL = 0.1, 0.15, 3.0, 0.01, 0.1
 # eps 1e-3 keeps each Adam step a faithful image of the gradient (see test_workers); the rest is the default
 LR, EPS, CLIP_GRAD = 1e-2, 1e-3, 1.0
-STATS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm")
+STATS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss", "grad_norm")
 VALUE_CLIP, CRITIC_LR = 0.05, 2e-3
 CRITIC_STATS = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm")
 
@@ -97,7 +97,7 @@ def _reference(folder, batch):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         opt.step()
         steps.append({"pg_loss": pg_loss.item(), "pg_clipfrac": mean((clipped > unclipped).float()).item(),
-                      "ppo_kl": mean(old - lp).item(), "entropy": entropy.item(), "kl_loss": kl.item(),
+                      "ppo_kl": mean(old - lp).item(), "entropy_loss": entropy.item(), "kl_loss": kl.item(),
                       "grad_norm": norm.item()})
     return steps, {k: v.detach() for k, v in model.state_dict().items()}
 

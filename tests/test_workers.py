@@ -219,7 +219,7 @@ def _split_run(folder, tp, pp, agg_mode):
             a = actor(coeff)
             old, _ = a.compute_log_prob(batch, fixed)
             saved, m = _saved_bytes(lambda: a.update_policy(dict(batch, old_log_probs=old), rows, fixed))
-            out[f"saved_{coeff}"], out[f"entropy_{coeff}"] = saved, m["actor/entropy"]
+            out[f"saved_{coeff}"], out[f"entropy_{coeff}"] = saved, m["actor/entropy_loss"]
     return out
 
 

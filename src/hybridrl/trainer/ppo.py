@@ -142,6 +142,8 @@ class PPOTrainer:
             metrics.update(sync.metrics() if hasattr(sync, "metrics") else sync)
         t.seconds["step"] = time.perf_counter() - step_start
         metrics.update(self.rollout_metrics(batch, batch.get("old_entropy")))
+        if "actor/entropy" not in metrics and "actor/entropy_loss" in metrics:
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"]  # bypass: no pass gave the old policy's
         metrics.update(self.staleness_metrics(step))
         if self.shares is not None:  # the previous step's figures: its rollout spans came with this batch
             at = self.timeline.at
@@ -386,10 +388,17 @@ class PPOTrainer:
         if measured:
             out.update({"rollout/logprob_diff_mean": sums["diff"] / generated,
                         "rollout/logprob_diff_max": gather_dp(diff.max().reshape(1), g).max().item(),
-                        "actor/entropy_old": sums["entropy"] / generated})
+                        "actor/entropy": self._old_entropy(entropy, mask)})
         n_tokens = sums["tokens"]
         out.update(throughput_metrics(self.timer.metrics(), int(n_tokens), dist.get_world_size()))
         return out
+
+    def _old_entropy(self, entropy, mask) -> float:
+        """verl's actor/entropy: the old policy's entropy (the pass that gave the old log-probs, before any update)
+        reduced as the loss is (actor.loss_agg_mode) over the DP-global batch."""
+        a = self.cfg.actor
+        return algos.agg_loss(gather_dp(entropy.float(), self.groups), gather_dp(mask.float(), self.groups),
+                              a.loss_agg_mode, a.loss_scale_factor or self.cfg.data.max_response_length).item()
 
     def staleness_metrics(self, step: int) -> Dict[str, float]:
         """Split placement: how many updates behind the trained policy its samples were generated."""

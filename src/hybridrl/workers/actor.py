@@ -140,7 +140,7 @@ class ActorWorker(LogProbWorker):
         pg_loss, stats, correction = self._policy_loss(mb, log_probs, old_log_probs)
         ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, self.loss_scale_factor)
         loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff != 0 else pg_loss
-        metrics = {"actor/pg_loss": pg_loss, "actor/entropy": ent}
+        metrics = {"actor/pg_loss": pg_loss, "actor/entropy_loss": ent}  # verl's name for the update's entropy
         if cfg.use_kl_loss:
             kl = algos.agg_loss(algos.kl_penalty(log_probs, mb["ref_log_probs"], cfg.kl_loss_type), mask,
                                 cfg.loss_agg_mode, self.loss_scale_factor)
