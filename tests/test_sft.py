@@ -139,6 +139,10 @@ def _sft_steps(root, layouts, export_layout=None):
         out[(tp, pp)] = [(m["sft/loss"], m["sft/grad_norm"], m["sft/tokens"]) for m in metrics]
         if (tp, pp) == export_layout:
             trainer.save(f"{root}/hf")
+            held_out = sft_loader(cfg, TOK, groups, [f"{root}/val.parquet"])  # verl's val/loss of the saved weights
+            out["val_loss"] = trainer.validate(held_out.one_pass())["val/loss"]
+            out["val_batches"] = [{k: b[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+                                  for b in held_out.one_pass()]
             raw = next(loader)
             batch = {"input_ids": raw["input_ids"], "attention_mask": raw["attention_mask"].long()}
             out["batch"], out["loss_mask"] = batch, raw["loss_mask"]
@@ -149,6 +153,7 @@ def _sft_steps(root, layouts, export_layout=None):
 
 def test_loss_equal_at_tp2_pp2_dp2_and_hf_export(tmp_path):
     write_demonstrations(str(tmp_path / "demo.parquet"), n=64, seed=5)
+    write_demonstrations(str(tmp_path / "val.parquet"), n=40, seed=6)  # 2 batches of 16 (8 rows left out)
     (reference,) = run_distributed(_sft_steps, 1, str(tmp_path), [(1, 1)])
     parallel = run_distributed(_sft_steps, 2, str(tmp_path), [(1, 1), (2, 1), (1, 2)], (2, 1))[0]
     ref = reference[(1, 1)]
@@ -171,6 +176,14 @@ def test_loss_equal_at_tp2_pp2_dp2_and_hf_export(tmp_path):
     nll = -torch.log_softmax(expected[:, :-1].double(), -1).gather(-1, targets[..., None]).squeeze(-1)
     assert 0 < mask.sum() < real[:, 1:].sum()  # prompts and tool output are not trained on
     assert parallel["loss"] == pytest.approx(((nll * mask).sum() / mask.sum()).item(), rel=1e-5)
+    # val/loss: the same cross-entropy over every assistant token of the held-out batches, weighted by their tokens
+    nll_sum = tokens = 0.0
+    assert len(parallel["val_batches"]) == 2
+    for b in parallel["val_batches"]:
+        logits = hf_logits(folder, {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"].long()})
+        lp = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+        nll_sum, tokens = nll_sum - (lp * b["loss_mask"][:, 1:]).sum().item(), tokens + b["loss_mask"][:, 1:].sum().item()
+    assert parallel["val_loss"] == pytest.approx(nll_sum / tokens, rel=1e-5)
     saved = load_tokenizer(folder)
     assert saved.encode('<tool_call>{"a": 1}</tool_call>') == TOK.encode('<tool_call>{"a": 1}</tool_call>')
     assert not os.path.exists(folder + ".tmp") and not os.path.exists(folder + ".old")

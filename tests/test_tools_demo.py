@@ -8,6 +8,7 @@ trajectories (seeds per prompt, sample and turn; one collective batch per turn).
 """
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -40,9 +41,15 @@ def _run(script, overrides, nproc=1, timeout=300):
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     """The demo's own SFT warm-up (200 steps), shared by the RL runs of this module."""
+    from hybridrl.data.tool_demos import write_demonstrations
+
     tmp = tmp_path_factory.mktemp("tools")
-    sft = _run("train_sft.py", _paths(tmp, tmp / "sft"))
+    write_demonstrations(str(tmp / "held_out.parquet"), n=64, seed=99)
+    sft = _run("train_sft.py", _paths(tmp, tmp / "sft") + [f"sft.val_files=[{tmp}/held_out.parquet]", "sft.test_freq=150"])
     assert "sft loss: first 20 steps" in sft and os.path.isfile(tmp / "sft_hf" / "model.safetensors")
+    # held-out loss after step 150 and after the last (200), as verl's SFT validation; none in between
+    val = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step:(\d+) - .*val/loss:([0-9.e+-]+)", sft)}
+    assert sorted(val) == [150, 200] and all(0 < v < 5 for v in val.values()), val
     return tmp
 
 

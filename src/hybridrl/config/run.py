@@ -87,6 +87,11 @@ class TrainerConfig:
 class SFTConfig:
     train_files: List[str] = field(default_factory=lambda: ["data/tiny_tools_sft/train.parquet"])
     """Parquet files of chat trajectories for scripts/train_sft.py (loss on assistant tokens only)."""
+    val_files: List[str] = field(default_factory=list)
+    """Parquet files of held-out trajectories (same column): their loss, `val/loss` (the token mean over all of
+    them), after every test_freq steps and after the last one, as verl's SFT trainer; empty: no validation."""
+    test_freq: int = 0
+    """Steps between validations (with val_files); 0: after the last step only."""
     messages_key: str = "messages"
     """Column holding each trajectory: a list of {role, content} messages (user, assistant, tool)."""
     max_length: int = 256
@@ -114,6 +119,7 @@ class SFTConfig:
         check(self.micro_batch_size_per_gpu > 0, "sft.micro_batch_size_per_gpu must be > 0")
         check(self.total_training_steps >= 0, "sft.total_training_steps must be >= 0")
         check(self.total_epochs >= 1, "sft.total_epochs must be >= 1")
+        check(self.test_freq >= 0, "sft.test_freq must be >= 0 (0: validate after the last step only)")
         check(bool(self.messages_key), "sft.messages_key must name the column of the trajectories")
         check(bool(self.output_dir), "sft.output_dir must name the folder the model is written to")
         one_of("sft.synthetic_task", self.synthetic_task, ("", "arith", "arith_tools"))

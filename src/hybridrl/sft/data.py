@@ -26,10 +26,11 @@ _ROW_FIX = ("write each row's messages as [{'role': 'user', 'content': ...}, {'r
             "'content': ...}, ...] (see hybridrl.data.tool_demos.demonstration_rows)")
 
 
-def read_trajectories(path: str, key: str) -> List[object]:
+def read_trajectories(path: str, key: str, setting: str = "sft.train_files") -> List[object]:
     """The `key` column of one parquet file, after checking the file and the column."""
-    table = read_parquet_table(path, "SFT data file", "fix sft.train_files or set sft.synthetic_task=arith "
-                               "(or arith_tools) to generate demonstrations there", _ROW_FIX)
+    fix = (f"fix {setting}" + (" or set sft.synthetic_task=arith (or arith_tools) to generate demonstrations "
+                               "there" if setting == "sft.train_files" else ""))
+    table = read_parquet_table(path, "SFT data file", fix, _ROW_FIX)
     if key not in table.column_names:
         raise DataError(f"SFT data file '{path}' has no column '{key}' (it has {table.column_names}); "
                         f"set sft.messages_key or {_ROW_FIX}")
@@ -98,12 +99,12 @@ def tokenize_trajectory(tokenizer: Tokenizer, messages: Sequence[Dict[str, str]]
 class SFTDataset:
     """All trajectories of the given files, tokenized once; longer than sft.max_length: dropped."""
 
-    def __init__(self, files: Sequence[str], tokenizer: Tokenizer, cfg: SFTConfig):
+    def __init__(self, files: Sequence[str], tokenizer: Tokenizer, cfg: SFTConfig, setting: str = "sft.train_files"):
         self.files, self.tokenizer = list(files), tokenizer
         self.rows: List[Tuple[List[int], List[int]]] = []
         dropped = 0
         for path in self.files:
-            for i, value in enumerate(read_trajectories(path, cfg.messages_key)):
+            for i, value in enumerate(read_trajectories(path, cfg.messages_key, setting)):
                 where = f"SFT data file '{path}' row {i} column '{cfg.messages_key}'"
                 ids, mask = tokenize_trajectory(tokenizer, _check_messages(value, where))
                 if len(ids) > cfg.max_length:
@@ -149,6 +150,14 @@ class SFTLoader:
 
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size
+
+    def one_pass(self) -> Iterator[Dict[str, torch.Tensor]]:
+        """Every whole batch of the data once, in file order (validation)."""
+        rows = self.dataset.rows
+        for k in range(len(self)):
+            batch = rows[k * self.batch_size:(k + 1) * self.batch_size]
+            start, end = shard_bounds(len(batch), self.dp_rank, self.dp_size)
+            yield right_pad(batch[start:end], self.dataset.tokenizer.pad_token_id, max(len(r[0]) for r in batch))
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         epoch = 0

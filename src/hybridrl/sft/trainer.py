@@ -49,19 +49,35 @@ class SFTTrainer:
         scaled = loss * weight * n_micro * self.groups.dp
         return scaled, {"sft/loss": loss.item() * weight, "finite": torch.isfinite(loss).item()}
 
-    def step(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    def _run(self, batch: Dict[str, torch.Tensor], forward_only: bool):
+        """(per-micro-batch stats, the global batch's loss tokens): the batch through the schedule, each micro-batch
+        weighted by its share of those tokens."""
         micro = split_micro_batches(batch, self.cfg.sft.micro_batch_size_per_gpu)
         tokens = [float(mb["loss_mask"][:, 1:].sum()) for mb in micro]
         total = max(dp_sum({"n": sum(tokens)}, self.groups)["n"], 1.0)
         weights = iter([t / total for t in tokens])
-        self.engine.train(True)
+        self.engine.train(not forward_only)
+        return self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), forward_only,
+                               self._log_probs), total
+
+    def step(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
         self.engine.zero_grad()
         self.optimizer.zero_grad()
-        stats = self.engine.run(micro, lambda out, mb: self._loss(out, mb, next(weights), len(micro)), False,
-                                self._log_probs)
+        stats, total = self._run(batch, forward_only=False)
         metrics = finish_step(self.engine, self.optimizer, stats, "sft")
         metrics["sft/tokens"] = total
         return metrics
+
+    @torch.no_grad()
+    def validate(self, batches) -> Dict[str, float]:
+        """verl's val/loss: the mean negative log-likelihood over every assistant token of `batches` (no update)."""
+        nll, tokens = 0.0, 0.0
+        for batch in batches:
+            stats, total = self._run(batch, forward_only=True)
+            loss = dp_sum({"l": sum(s["sft/loss"] for s in stats)}, self.groups)["l"]
+            nll, tokens = nll + loss * total, tokens + total
+        self.engine.train(True)
+        return {"val/loss": nll / max(tokens, 1.0)}
 
     def save(self, folder: str) -> None:
         """Write the model (and the tokenizer, when it is an HF one) as an HF folder, replacing `folder`
@@ -88,20 +104,23 @@ class SFTTrainer:
         dist.barrier()
 
 
-def sft_loader(cfg: Config, tokenizer, groups):
-    """The run's trajectories, this DP rank's slices; demonstrations are generated first (rank 0)
-    when the files are missing and sft.synthetic_task is set."""
+def sft_loader(cfg: Config, tokenizer, groups, files=None):
+    """The run's trajectories (or those of `files`), this DP rank's slices; demonstrations are generated first
+    (rank 0) when the files are missing and sft.synthetic_task is set."""
     from hybridrl.data.synthetic import write_arith_demonstrations
     from hybridrl.data.tool_demos import write_demonstrations
     from hybridrl.sft.data import SFTDataset, SFTLoader
 
-    missing = [p for p in map(os.path.expanduser, cfg.sft.train_files) if not os.path.exists(p)]
+    train = files is None  # only training files are generated: held-out ones must be the user's
+    files = cfg.sft.train_files if train else files
+    missing = [p for p in map(os.path.expanduser, files) if not os.path.exists(p)]
     write = {"arith": write_arith_demonstrations, "arith_tools": write_demonstrations}.get(cfg.sft.synthetic_task)
+    write = write if train else None
     if dist.get_rank() == 0 and missing and write is not None:
         for path in missing:
             write(path)
     dist.barrier()
-    dataset = SFTDataset(cfg.sft.train_files, tokenizer, cfg.sft)
+    dataset = SFTDataset(files, tokenizer, cfg.sft, "sft.train_files" if train else "sft.val_files")
     return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, cfg.data.seed)
 
 
@@ -134,11 +153,14 @@ def run_sft(cfg: Config) -> int:
     total = sft_steps(cfg.sft, len(loader))
     writer = open_writer(cfg, le.rank == 0, suffix="_sft")
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
+    val = sft_loader(cfg, tokenizer, groups, cfg.sft.val_files) if cfg.sft.val_files else None
     losses = []
     for step, batch in zip(range(1, total + 1), loader):
         metrics = trainer.step(batch)
         losses.append(metrics["sft/loss"])
-        writer.log(metrics, step, ("sft/loss", "sft/grad_norm", "sft/lr"))
+        if val is not None and (step == total or (cfg.sft.test_freq and step % cfg.sft.test_freq == 0)):
+            metrics.update(trainer.validate(val.one_pass()))
+        writer.log(metrics, step, ("sft/loss", "sft/grad_norm", "sft/lr", "val/loss"))
     k = max(1, len(losses) // 10)
     print0(f"sft loss: first {k} steps {sum(losses[:k]) / k:.4f} -> last {k} steps {sum(losses[-k:]) / k:.4f}")
     trainer.save(cfg.sft.output_dir)
