@@ -45,3 +45,11 @@ def test_actor_entropy_is_the_old_policys_reduced_as_the_loss(mode, want):
     mask = torch.zeros(2, 8)
     mask[0, :2], mask[1, :4] = 1, 1
     assert PPOTrainer._old_entropy(trainer, torch.ones(2, 8), mask) == pytest.approx(want)
+
+
+def test_prompt_clip_ratio_is_the_share_of_prompts_at_the_limit():
+    scores, mask = torch.tensor([1.0, 0.0, 1.0]), torch.ones(3, 2)
+    prompts = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])  # left-padded: lengths 3, 4, 4
+    out = batch_metrics(scores, token_rewards_from_scores(scores, mask), mask, mask, mask, 2, prompts,
+                        max_prompt_length=4)
+    assert out["prompt_length/clip_ratio"] == pytest.approx(2 / 3) and out["prompt_length/max"] == 4

@@ -95,7 +95,7 @@ def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> Dict[str,
 
 def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max_response_length,
                   prompt_mask=None, values=None, rm_scores=None,
-                  response_attention_mask=None) -> Dict[str, float]:
+                  response_attention_mask=None, max_prompt_length=None) -> Dict[str, float]:
     """verl's data metrics: critic/score, rewards, advantages, returns, values, response_length, and
     critic/rm_score when a reward model scored the batch.
 
@@ -117,7 +117,10 @@ def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max
     out.update(_stats("response_length", lengths))
     out["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
     if prompt_mask is not None:
-        out.update(_stats("prompt_length", prompt_mask.sum(-1).float()))
+        prompt_lengths = prompt_mask.sum(-1).float()
+        out.update(_stats("prompt_length", prompt_lengths))
+        if max_prompt_length:  # verl's: the share of prompts at the limit (likely truncated)
+            out["prompt_length/clip_ratio"] = (prompt_lengths >= max_prompt_length).float().mean().item()
     return out
 
 

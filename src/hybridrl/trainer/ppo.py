@@ -372,7 +372,7 @@ class PPOTrainer:
         rm_scores = gather_dp(batch["rm_scores"], g) if "rm_scores" in batch else None
         real = gather_dp(batch["attention_mask"][:, -R:], g)
         return batch_metrics(all_scores, token_rewards, adv, returns, mask, R, prompt_mask, values,
-                             rm_scores, response_attention_mask=real)
+                             rm_scores, response_attention_mask=real, max_prompt_length=self.cfg.data.max_prompt_length)
 
     def rollout_metrics(self, batch, entropy=None) -> Dict[str, float]:
         """Engine-vs-trainer log-prob agreement and the old policy's entropy, when a trainer pass computed
