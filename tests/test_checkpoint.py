@@ -243,13 +243,16 @@ def test_killed_mid_save_then_auto_resume_and_bad_inputs(tmp_path):
     root = tmp_path / "ckpt"
     assert os.listdir(root / "global_step_2.tmp" / "actor") and not (root / "global_step_2.tmp" / "meta.json").exists()
     assert CheckpointManager(str(root), 2).latest().endswith("global_step_1")
-    resumed = _script(tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=1", "algorithm.adv_estimator=gae", TB])
+    resumed = _script(tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=1", "algorithm.adv_estimator=gae", TB,
+                                 "trainer.val_before_train=true"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {root / 'global_step_1'} at step 1" in resumed.stdout
     assert sorted(CheckpointManager(str(root), 2).complete_steps()) == [1, 2]
     assert not (root / "global_step_2.tmp").exists() and read_meta(str(root / "global_step_2"))["roles"] == ["actor", "critic"]
     # TensorBoard reads the folder as one run: the killed run's step 2 is dropped, the resumed run's stands alone
     assert _tensorboard_steps(tmp_path / "tb", "actor/pg_loss") == [1, 2]
+    # val_before_train validates a resumed run too, at the step it goes on from (as verl)
+    assert _tensorboard_steps(tmp_path / "tb", "val-core/synthetic/arith/acc/mean@1") == [1]
     # a bad resume input through the script (a checkpoint this model cannot load): one `error:` line naming
     # the problem and the fix; test_resume_path_messages has the path checks made before any model is built
     _one_error(_script(tmp_path / "c", [f"trainer.resume_mode={root / 'global_step_2'}", "model.intermediate_size=96",

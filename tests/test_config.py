@@ -89,7 +89,7 @@ def test_wrong_type_names_key_and_type(override, key, expected):
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs must be >= 1"),
     ("actor.policy_loss.loss_mode=gpo", "actor.policy_loss.loss_mode='gpo' is not one of vanilla, gspo"),
     ("actor.loss_scale_factor=0", "actor.loss_scale_factor must be > 0"),
-    ("rollout.val_kwargs.n=4", "set rollout.val_kwargs.do_sample=true"),
+    ("rollout.val_kwargs.n=4", "set rollout.val_kwargs.temperature > 0, or n=1"),
     ("trainer.test_freq=-2", "trainer.test_freq must be >= 1, 0 (never) or -1"),
     ("trainer.log_freq=0", "trainer.log_freq must be >= 1"),
     ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len must be > 0"),

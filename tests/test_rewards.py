@@ -172,9 +172,10 @@ def test_manager_builtin_batch():
                                         ["72", "\\frac{1}{2}", "7", "9", "1"], [{}] * 5)
     assert scores.dtype == torch.float32
     assert torch.allclose(scores, torch.tensor([1.0, 1.0, 0.8, 0.57, 0.0]))
-    # the extracted answer of every built-in (maj@N votes on it); accuracy where the score is shaped
+    # the extracted answer of every built-in (maj@N votes on it); "acc" as verl's reward managers give a rule
+    # that returns a float (its score: gsm8k, math), the exact answer's where the score is shaped (arith)
     assert extra["pred"] == ["72", "0.5", "7", "8", ""]
-    assert extra["acc"] == [None, None, 1.0, 0.0, None]
+    assert extra["acc"] == [1.0, 1.0, 1.0, 0.0, 0.0] and "score" not in extra
     with pytest.raises(RewardError, match="differ in length"):
         manager(["a"], ["math", "math"], ["1"])
 
@@ -201,11 +202,12 @@ def _manager(path, name):
 def test_custom_reward_function(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(CUSTOM)
-    scores = _manager(path, "compute_score")(["a", "b"], ["x/y", "x/y"], ["a", "a"],
-                                             [{}, {"bonus": 0.25}])
-    assert scores.tolist() == [1.0, 0.25]
+    scores, extra = _manager(path, "compute_score").score_batch(["a", "b"], ["x/y", "x/y"], ["a", "a"],
+                                                                [{}, {"bonus": 0.25}])
+    assert scores.tolist() == [1.0, 0.25] and extra == {"acc": [1.0, 0.25]}  # a float: "acc", as verl's managers
     scores, extra = _manager(path, "with_metrics").score_batch(["ab", "c"], ["s", "s"], ["", ""])
-    assert scores.tolist() == [0.5, 0.5] and extra == {"length": [2, 1], "pred": ["ab", "c"]}
+    # a dict: every key, "score" too (verl keeps it), and no "acc" of its own making
+    assert scores.tolist() == [0.5, 0.5] and extra == {"score": [0.5, 0.5], "length": [2, 1], "pred": ["ab", "c"]}
 
 
 def test_custom_reward_errors(tmp_path):

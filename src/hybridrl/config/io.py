@@ -57,7 +57,7 @@ def field_type(key: str) -> str:
 MOVED_KEYS = {"actor.rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold (with "
                                       "algorithm.rollout_correction.rollout_is=token)",
              "rollout.val_n": "rollout.val_kwargs.n",
-              "rollout.val_temperature": "rollout.val_kwargs.temperature (with rollout.val_kwargs.do_sample=true)",
+              "rollout.val_temperature": "rollout.val_kwargs.temperature",
               "trainer.max_ckpt_to_keep": "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep"}
 
 

@@ -12,19 +12,20 @@ class ValKwargsConfig:
     n: int = 1
     """Responses per prompt during validation (mean@N, best@N, maj@N)."""
     do_sample: bool = False
-    """Sample during validation; False is greedy whatever the temperature."""
+    """Accepted from verl configs and, as in verl 0.9.1 (its agent loop applies the val temperature, top_p and
+    top_k whatever do_sample says), not read: the temperature decides, 0 is greedy."""
     temperature: float = 0.0
-    """Validation sampling temperature (with do_sample)."""
+    """Validation sampling temperature; 0: greedy."""
     top_p: float = 1.0
-    """Validation nucleus mass (with do_sample)."""
+    """Validation nucleus mass (when sampling)."""
     top_k: int = -1
-    """Validation top-k, -1 disables (with do_sample)."""
+    """Validation top-k, -1 disables (when sampling)."""
 
     def __post_init__(self):
         check(self.n >= 1, "rollout.val_kwargs.n must be >= 1")
-        check(self.n == 1 or (self.do_sample and self.temperature > 0),
-               f"rollout.val_kwargs.n={self.n} without sampling gives {self.n} identical greedy responses; "
-               "set rollout.val_kwargs.do_sample=true and rollout.val_kwargs.temperature > 0, or n=1")
+        check(self.n == 1 or self.temperature > 0,
+               f"rollout.val_kwargs.n={self.n} at temperature 0 gives {self.n} identical greedy responses; "
+               "set rollout.val_kwargs.temperature > 0, or n=1")
         check(self.temperature >= 0, "rollout.val_kwargs.temperature must be >= 0")
         check(0 < self.top_p <= 1, "rollout.val_kwargs.top_p must be in (0, 1]")
 

@@ -24,7 +24,7 @@ class TrainerConfig:
     test_freq: int = 10
     """Validate every this many steps and at the last; 0 disables, -1 only at the last step."""
     val_before_train: bool = True
-    """Validate once before the first step."""
+    """Validate once before training: at step 0, or at the step a resumed run goes on from (as verl)."""
     save_freq: int = 0
     """Checkpoint every this many steps; 0 disables."""
     max_actor_ckpt_to_keep: Optional[int] = None

@@ -17,6 +17,7 @@ import importlib.util
 import math as _math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -97,6 +98,13 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
     return fn
 
 
+@dataclass(frozen=True)
+class _Builtin:
+    """A built-in rule's score and its extras ("pred", arith's "acc"): a float to verl's managers, not a dict."""
+    score: float
+    extras: Dict[str, Any]
+
+
 class RewardManager:
     """Scores decoded responses with the custom function when configured, else by data_source."""
 
@@ -111,7 +119,7 @@ class RewardManager:
             return self.custom_fn(data_source=data_source, solution_str=response,
                                   ground_truth=copy.deepcopy(ground_truth), extra_info=copy.deepcopy(extra_info))
         score = get_reward_fn(data_source, self.cfg.gsm8k_method)(response, ground_truth)
-        return {"score": score, **builtin_extras(data_source, response, ground_truth, self.cfg.gsm8k_method)}
+        return _Builtin(score, builtin_extras(data_source, response, ground_truth, self.cfg.gsm8k_method))
 
     def _check(self, value: Any, row: int, data_source: str) -> float:
         try:
@@ -138,15 +146,19 @@ class RewardManager:
         for i, (resp, src, truth, info) in enumerate(zip(responses, data_sources, ground_truths,
                                                          extra_infos)):
             value = self._raw_score(resp, src, truth, info)
-            if isinstance(value, dict):
-                if "score" not in value:
-                    raise RewardError(f"{self.fn_name} returned a dict without 'score' for row {i} "
-                                      f"(data_source={src!r}); add the key 'score'")
-                for key, v in value.items():
-                    if key != "score":  # passed through as metrics, unchecked (may be text)
-                        extra.setdefault(key, [None] * n)[i] = v
-                value = value["score"]
-            scores.append(self._check(value, i, src))
+            # the per-response values beside the score, as verl's reward managers keep them: a dict's every key
+            # ("score" too), else "acc" = the score (a built-in's own "acc", where it has one, wins)
+            values = value.extras if isinstance(value, _Builtin) else value if isinstance(value, dict) else {}
+            if isinstance(value, dict) and "score" not in value:
+                raise RewardError(f"{self.fn_name} returned a dict without 'score' for row {i} "
+                                  f"(data_source={src!r}); add the key 'score'")
+            score = self._check(value.score if isinstance(value, _Builtin) else
+                                value["score"] if isinstance(value, dict) else value, i, src)
+            if not isinstance(value, dict):
+                values = {"acc": score, **values}
+            for key, v in values.items():  # passed through as metrics, unchecked (may be text)
+                extra.setdefault(key, [None] * n)[i] = v
+            scores.append(score)
         return torch.tensor(scores, dtype=torch.float32), extra
 
     def __call__(self, responses: Sequence[str], data_sources: Sequence[str],

@@ -252,9 +252,9 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
         writer.resumed_at(start)
     trainer.sync_rollout_weights()  # the starting weights, fresh or resumed: sent once
     val_history = []  # (step, validation metrics) of every validation, for the closing trend
-    if val_loader is not None and tc.val_before_train and start == 0:
-        val_history.append((0, trainer.validate(val_loader)))
-        writer.log(val_history[-1][1], 0, tuple(_val_core(val_history[-1][1])))
+    if val_loader is not None and tc.val_before_train:  # resumed too, at the step resumed from (as verl)
+        val_history.append((start, trainer.validate(val_loader)))
+        writer.log(val_history[-1][1], start, tuple(_val_core(val_history[-1][1])))
     from hybridrl.trainer.watchdog import Watchdog
 
     watchdog = Watchdog(tc.hang_timeout_s, tc.log_dir, dist.get_rank())

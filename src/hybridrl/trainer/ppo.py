@@ -11,6 +11,7 @@ dynamic_sampling.py (DAPO), validation.py (verl's val-core metrics).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Dict
 
@@ -37,6 +38,8 @@ from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
 from hybridrl.workers.engine import dp_sum
 from hybridrl.config.batching import resolve_batching
+
+logger = logging.getLogger("hybridrl.trainer")
 
 
 class TrainingError(RuntimeError):
@@ -431,7 +434,11 @@ class PPOTrainer:
     # ---- validation -----------------------------------------------------------------------
     def val_sampling(self) -> SamplingParams:
         vk = self.cfg.rollout.val_kwargs
-        greedy = not vk.do_sample
+        greedy = vk.temperature == 0  # as verl 0.9.1: do_sample is not read
+        if not greedy and not vk.do_sample and not getattr(self, "_told_do_sample", False):
+            self._told_do_sample = True
+            logger.warning("rollout.val_kwargs.do_sample=false is not read (as in verl 0.9.1): validation samples at "
+                           "temperature %g; set rollout.val_kwargs.temperature=0 for greedy", vk.temperature)
         return SamplingParams(n=vk.n, temperature=0.0 if greedy else vk.temperature, top_p=1.0 if greedy else vk.top_p,
                               top_k=-1 if greedy else vk.top_k, max_new_tokens=self.cfg.data.max_response_length,
                               stop_token_ids=self.tok.eos_token_ids, seed=self.cfg.rollout.seed)
@@ -440,7 +447,7 @@ class PPOTrainer:
         """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...)."""
         sampling = self.val_sampling()
         samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
-        for prompts in val_loader:
+        for b, prompts in enumerate(val_loader):
             if len(prompts) == 0 and self.remote is None:  # split: every rank joins each request
                 continue
             batch = self.generate(prompts, sampling, step=-1)
@@ -448,7 +455,9 @@ class PPOTrainer:
             for i, score in enumerate(scores.tolist()):
                 p = i // sampling.n
                 values = {"reward": score, **{k: v[i] for k, v in infos.items()}}
-                samples.append((prompts.data_source[p], (prompts.index[p], prompts.raw_prompt[p]), values))
+                # one uid per val row (verl: a uuid each): its rank, batch and place (a row's index is its place in
+                # its own file, which two val files share)
+                samples.append((prompts.data_source[p], (self.groups.dp_rank, b, p), values))
         return metrics_from_samples(gather_objects_dp(samples, self.groups))
 
 
