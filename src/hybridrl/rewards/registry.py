@@ -148,14 +148,15 @@ class RewardManager:
             value = self._raw_score(resp, src, truth, info)
             # the per-response values beside the score, as verl's reward managers keep them: a dict's every key
             # ("score" too), else "acc" = the score (a built-in's own "acc", where it has one, wins)
-            values = value.extras if isinstance(value, _Builtin) else value if isinstance(value, dict) else {}
-            if isinstance(value, dict) and "score" not in value:
-                raise RewardError(f"{self.fn_name} returned a dict without 'score' for row {i} "
-                                  f"(data_source={src!r}); add the key 'score'")
-            score = self._check(value.score if isinstance(value, _Builtin) else
-                                value["score"] if isinstance(value, dict) else value, i, src)
-            if not isinstance(value, dict):
-                values = {"acc": score, **values}
+            if isinstance(value, dict):
+                if "score" not in value:
+                    raise RewardError(f"{self.fn_name} returned a dict without 'score' for row {i} "
+                                      f"(data_source={src!r}); add the key 'score'")
+                score, values = self._check(value["score"], i, src), value
+            else:
+                raw, own = (value.score, value.extras) if isinstance(value, _Builtin) else (value, {})
+                score = self._check(raw, i, src)
+                values = {"acc": score, **own}
             for key, v in values.items():  # passed through as metrics, unchecked (may be text)
                 extra.setdefault(key, [None] * n)[i] = v
             scores.append(score)

@@ -151,13 +151,16 @@ class SFTLoader:
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size
 
+    def _slice(self, rows: list) -> Dict[str, torch.Tensor]:
+        """This DP rank's slice of a global batch, padded to the batch's longest trajectory."""
+        start, end = shard_bounds(len(rows), self.dp_rank, self.dp_size)
+        return right_pad(rows[start:end], self.dataset.tokenizer.pad_token_id, max(len(r[0]) for r in rows))
+
     def one_pass(self) -> Iterator[Dict[str, torch.Tensor]]:
         """Every whole batch of the data once, in file order (validation)."""
         rows = self.dataset.rows
         for k in range(len(self)):
-            batch = rows[k * self.batch_size:(k + 1) * self.batch_size]
-            start, end = shard_bounds(len(batch), self.dp_rank, self.dp_size)
-            yield right_pad(batch[start:end], self.dataset.tokenizer.pad_token_id, max(len(r[0]) for r in batch))
+            yield self._slice(rows[k * self.batch_size:(k + 1) * self.batch_size])
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         epoch = 0
@@ -166,7 +169,5 @@ class SFTLoader:
             order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
                      if self.shuffle else list(range(n)))
             for k in range(len(self)):
-                rows = [self.dataset.rows[i] for i in order[k * self.batch_size:(k + 1) * self.batch_size]]
-                start, end = shard_bounds(len(rows), self.dp_rank, self.dp_size)
-                yield right_pad(rows[start:end], self.dataset.tokenizer.pad_token_id, max(len(r[0]) for r in rows))
+                yield self._slice([self.dataset.rows[i] for i in order[k * self.batch_size:(k + 1) * self.batch_size]])
             epoch += 1

@@ -76,7 +76,6 @@ class SFTTrainer:
             stats, total = self._run(batch, forward_only=True)
             loss = dp_sum({"l": sum(s["sft/loss"] for s in stats)}, self.groups)["l"]
             nll, tokens = nll + loss * total, tokens + total
-        self.engine.train(True)
         return {"val/loss": nll / max(tokens, 1.0)}
 
     def save(self, folder: str) -> None:
@@ -114,8 +113,8 @@ def sft_loader(cfg: Config, tokenizer, groups, files=None):
     train = files is None  # only training files are generated: held-out ones must be the user's
     files = cfg.sft.train_files if train else files
     missing = [p for p in map(os.path.expanduser, files) if not os.path.exists(p)]
-    write = {"arith": write_arith_demonstrations, "arith_tools": write_demonstrations}.get(cfg.sft.synthetic_task)
-    write = write if train else None
+    writers = {"arith": write_arith_demonstrations, "arith_tools": write_demonstrations} if train else {}
+    write = writers.get(cfg.sft.synthetic_task)
     if dist.get_rank() == 0 and missing and write is not None:
         for path in missing:
             write(path)

@@ -11,7 +11,6 @@ dynamic_sampling.py (DAPO), validation.py (verl's val-core metrics).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Dict
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from hybridrl import algos
 from hybridrl.config import Config
+from hybridrl.log import warn_once
 from hybridrl.trainer.dynamic_sampling import sample_filtered
 from hybridrl.placement.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
@@ -38,8 +38,6 @@ from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
 from hybridrl.workers.engine import dp_sum
 from hybridrl.config.batching import resolve_batching
-
-logger = logging.getLogger("hybridrl.trainer")
 
 
 class TrainingError(RuntimeError):
@@ -435,10 +433,9 @@ class PPOTrainer:
     def val_sampling(self) -> SamplingParams:
         vk = self.cfg.rollout.val_kwargs
         greedy = vk.temperature == 0  # as verl 0.9.1: do_sample is not read
-        if not greedy and not vk.do_sample and not getattr(self, "_told_do_sample", False):
-            self._told_do_sample = True
-            logger.warning("rollout.val_kwargs.do_sample=false is not read (as in verl 0.9.1): validation samples at "
-                           "temperature %g; set rollout.val_kwargs.temperature=0 for greedy", vk.temperature)
+        if not greedy and not vk.do_sample:
+            warn_once(f"rollout.val_kwargs.do_sample=false is not read (as in verl 0.9.1): validation samples at "
+                      f"temperature {vk.temperature:g}; set rollout.val_kwargs.temperature=0 for greedy")
         return SamplingParams(n=vk.n, temperature=0.0 if greedy else vk.temperature, top_p=1.0 if greedy else vk.top_p,
                               top_k=-1 if greedy else vk.top_k, max_new_tokens=self.cfg.data.max_response_length,
                               stop_token_ids=self.tok.eos_token_ids, seed=self.cfg.rollout.seed)
