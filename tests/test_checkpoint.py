@@ -136,7 +136,7 @@ def test_pruned_part_names_the_setting(tmp_path):
         tmp = ckpt.prepare(step)
         for role in ("actor", "critic"):
             os.makedirs(os.path.join(tmp, role))
-        ckpt.publish(step, {**{k: 0 for k in RUN_KEYS}, "roles": ["actor", "critic"], "layout": {}})
+        ckpt.publish(step, {**{k: 0 for k in RUN_KEYS["rl"]}, "roles": ["actor", "critic"], "layout": {}})
     with pytest.raises(CheckpointError, match="global_step_1 no longer holds its critic state.*max_critic_ckpt_to_keep"):
         load_checkpoint(ckpt.step_dir(1), {"critic": None}, {})
 
@@ -171,7 +171,7 @@ def test_unreadable_or_foreign_meta(tmp_path):
     ckpt = CheckpointManager(str(tmp_path))
     torn, old, grpo = (ckpt.step_dir(s) for s in (1, 2, 3))
     for path, meta in ((torn, '{"step": 1, "da'), (old, json.dumps({"step": 2, "data": {}, "kl_coef": 0.0})),
-                       (grpo, json.dumps({**{k: 0 for k in RUN_KEYS}, "roles": ["actor"], "layout": {}}))):
+                       (grpo, json.dumps({**{k: 0 for k in RUN_KEYS["rl"]}, "roles": ["actor"], "layout": {}}))):
         os.makedirs(path)
         open(os.path.join(path, "meta.json"), "w").write(meta)
     with pytest.raises(CheckpointError, match=r"global_step_1/meta.json cannot be read \(Unterminated string"):
@@ -478,11 +478,10 @@ def test_rng_streams_are_restored_at_the_same_layout_only():
     were recorded is CP 1, EP 1."""
     from types import SimpleNamespace
 
-    from hybridrl.checkpoint.writer import same_layout
-    from hybridrl.trainer.loop import _layout
+    from hybridrl.checkpoint.writer import layout_of, same_layout
 
-    cp2 = _layout(SimpleNamespace(tp=1, pp=1, dp=2, cp=2, ep=1))
-    dp2 = _layout(SimpleNamespace(tp=1, pp=1, dp=2, cp=1, ep=1))
-    ep2 = _layout(SimpleNamespace(tp=1, pp=1, dp=2, cp=1, ep=2))
+    cp2 = layout_of(SimpleNamespace(tp=1, pp=1, dp=2, cp=2, ep=1))
+    dp2 = layout_of(SimpleNamespace(tp=1, pp=1, dp=2, cp=1, ep=1))
+    ep2 = layout_of(SimpleNamespace(tp=1, pp=1, dp=2, cp=1, ep=2))
     assert not same_layout(cp2, dp2) and not same_layout(ep2, dp2) and same_layout(cp2, dict(cp2))
     assert same_layout({"tp": 1, "pp": 1, "dp": 2}, dp2) and not same_layout({"tp": 1, "pp": 1, "dp": 2}, cp2)

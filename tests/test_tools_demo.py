@@ -25,7 +25,7 @@ def _paths(tmp, run):
     """Data, demonstrations and the SFT model shared under `tmp`; checkpoints and events under `run`."""
     return [f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/test.parquet]",
             f"sft.train_files=[{tmp}/sft/train.parquet]", f"sft.output_dir={tmp}/sft_hf", "trainer.progress_bar=false",
-            f"trainer.default_local_dir={run}/ckpt", f"trainer.log_dir={run}/tb"]
+            f"trainer.default_local_dir={run}/ckpt", f"trainer.log_dir={run}/tb", f"sft.default_local_dir={run}/sft_ckpt"]
 
 
 def _run(script, overrides, nproc=1, timeout=300):

@@ -34,7 +34,9 @@ from hybridrl.models.lora_export import check_resume
 from hybridrl.log import os_error_message
 
 RNG_DIR = "rng"
-RUN_KEYS = ("step", "roles", "data", "kl_coef", "layout", "hf_config")  # what a resume reads from meta.json
+RUN_KEYS = {"rl": ("step", "roles", "data", "kl_coef", "layout", "hf_config"),
+            "sft": ("step", "roles", "data", "layout", "hf_config")}
+"""What a resume reads from meta.json, by the kind of run that wrote it (meta "run"; absent: an RL run's)."""
 
 
 def _rng_file(folder: str, rank: int) -> str:
@@ -222,6 +224,11 @@ class CheckpointWriter:
                 break
 
 
+def layout_of(groups) -> dict:
+    """What decides which rank a saved RNG stream belongs to (`same_layout`)."""
+    return {"tp": groups.tp, "pp": groups.pp, "dp": groups.dp, "cp": groups.cp, "ep": groups.ep}
+
+
 def same_layout(saved: dict, current: dict) -> bool:
     """Whether rank r's saved RNG streams are rank r's here: every parallel size equal (context and expert
     parallel 1 where a checkpoint from before they were recorded does not say)."""
@@ -229,9 +236,22 @@ def same_layout(saved: dict, current: dict) -> bool:
     return {**sizes, **saved} == {**sizes, **current}
 
 
-def load_checkpoint(path: str, workers: Dict[str, object], layout: dict) -> dict:
-    """Load `workers` from a published folder at this run's layout; returns its meta.json."""
-    meta = read_meta(path, RUN_KEYS)
+def _other_run(path: str, saved: str) -> str:
+    if saved == "sft":
+        return (f"{path} is an SFT checkpoint (scripts/train_sft.py): an RL run starts from SFT weights with "
+                f"model.path=<its sft.output_dir> (`scripts/convert_checkpoint.py ckpt-to-hf --input {path}` writes this one's)")
+    return (f"{path} is an RL checkpoint, not an SFT one: pass sft.resume_mode a global_step_* folder under "
+            "sft.default_local_dir, or sft.resume_mode=disable")
+
+
+def load_checkpoint(path: str, workers: Dict[str, object], layout: dict, run: str = "rl") -> dict:
+    """Load `workers` from a published folder at this run's layout; returns its meta.json. `run`: the kind of run
+    resuming (rl, sft), which must be the kind that saved it."""
+    saved = read_meta(path)
+    saved = saved.get("run", "rl") if isinstance(saved, dict) else run
+    if saved != run:
+        raise CheckpointError(_other_run(path, saved))
+    meta = read_meta(path, RUN_KEYS[run])
     if "actor" in workers:  # LoRA: the adapters fit their own settings and base only
         try:
             check_resume(path, meta.get("lora"), workers["actor"].engine.module)

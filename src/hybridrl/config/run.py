@@ -112,6 +112,18 @@ class SFTConfig:
     """Reshuffle the trajectories every epoch (seeded by data.seed)."""
     synthetic_task: str = ""
     """When the train files are missing and this is set (arith, arith_tools), generate demonstrations there."""
+    default_local_dir: str = "outputs/sft/checkpoints"
+    """Where SFT checkpoints go (global_step_K: model, optimizer and LR schedule, data position, RNG streams), apart
+    from trainer.default_local_dir so that an RL run resuming there never finds them. A file STOP here saves and
+    stops the run at the next step (as trainer.default_local_dir/STOP does for RL)."""
+    save_freq: int = 0
+    """Steps between checkpoints, and one at the last step; 0: none (the HF folder is still written at the end). A
+    stop signal (SIGTERM, SIGUSR1, SIGINT), the stop file or trainer.max_runtime saves one whatever this is."""
+    resume_mode: str = "auto"
+    """auto: from the newest intact checkpoint under default_local_dir (a fresh start where there is none);
+    disable: from model.path; or the path of one global_step_K folder."""
+    max_ckpt_to_keep: Optional[int] = None
+    """Keep the newest K checkpoints (null or 0: all)."""
 
     def __post_init__(self):
         check(self.max_length > 1, "sft.max_length must be > 1")
@@ -123,3 +135,9 @@ class SFTConfig:
         check(bool(self.messages_key), "sft.messages_key must name the column of the trajectories")
         check(bool(self.output_dir), "sft.output_dir must name the folder the model is written to")
         one_of("sft.synthetic_task", self.synthetic_task, ("", "arith", "arith_tools"))
+        check(self.save_freq >= 0, "sft.save_freq must be >= 0 (0: no periodic checkpoints)")
+        check(bool(self.default_local_dir), "sft.default_local_dir must name the folder of the SFT checkpoints")
+        check(bool(self.resume_mode), "sft.resume_mode must be auto, disable or a global_step_* folder")
+        check(self.max_ckpt_to_keep is None or self.max_ckpt_to_keep >= 0,
+              f"sft.max_ckpt_to_keep={self.max_ckpt_to_keep}: pass K >= 1 to keep the newest K checkpoints, or null "
+              "(or 0) to keep all")

@@ -163,11 +163,16 @@ class SFTLoader:
             yield self._slice(rows[k * self.batch_size:(k + 1) * self.batch_size])
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
-        epoch = 0
+        return self.batches_after(0)
+
+    def batches_after(self, done: int) -> Iterator[Dict[str, torch.Tensor]]:
+        """The batches that follow the first `done` ones (where a resumed run goes on): that epoch's order, from
+        the batch after them."""
+        epoch, first = divmod(done, len(self))
         while True:
             n = len(self.dataset)
             order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
                      if self.shuffle else list(range(n)))
-            for k in range(len(self)):
+            for k in range(first, len(self)):
                 yield self._slice([self.dataset.rows[i] for i in order[k * self.batch_size:(k + 1) * self.batch_size]])
-            epoch += 1
+            epoch, first = epoch + 1, 0

@@ -6,6 +6,11 @@ token of the global batch, so it (and the gradient) does not depend on the layou
 micro-batch split. The model starts from model.path (or the seeded random model of the config's
 model fields, as the RL roles do) and is written at the end as an HF folder (weights, config,
 tokenizer) that an RL run loads with model.path=<sft.output_dir>.
+
+Checkpoints (sft.save_freq, a stop signal, the stop file, trainer.max_runtime) are the RL run's kind of
+global_step_K folder under sft.default_local_dir, the model as role "actor" (so `convert_checkpoint.py
+ckpt-to-hf` reads them too), with meta "run": "sft" and the data position; a resumed run goes on from the
+batch after the saved step with the saved optimizer, LR schedule and RNG streams, as if never stopped.
 """
 from __future__ import annotations
 
@@ -78,6 +83,27 @@ class SFTTrainer:
             nll, tokens = nll + loss * total, tokens + total
         return {"val/loss": nll / max(tokens, 1.0)}
 
+    def save_checkpoint(self, saver, step: int) -> None:
+        """global_step_{step}: the model and optimizer (LR schedule included), RNG streams, the data position."""
+        from hybridrl.checkpoint.writer import layout_of
+        from hybridrl.models.hf_config import load_hf_config
+        from hybridrl.models.lora_export import lora_meta
+
+        meta = {"run": "sft", "data": {"batches": step}, "layout": layout_of(self.groups),
+                "hf_config": load_hf_config(self.init_folder), **lora_meta(self.engine.module)}
+        saver.save(step, {"actor": self}, meta)
+
+    def resume(self, path: str | None) -> int:
+        """Load a published SFT checkpoint (None: a fresh start); the batches trained before it."""
+        if path is None:
+            return 0
+        from hybridrl.checkpoint import load_checkpoint
+        from hybridrl.checkpoint.writer import layout_of
+
+        meta = load_checkpoint(path, {"actor": self}, layout_of(self.groups), run="sft")
+        print0(f"resumed from {path} at step {meta['step']}")
+        return int(meta["data"]["batches"])
+
     def save(self, folder: str) -> None:
         """Write the model (and the tokenizer, when it is an HF one) as an HF folder, replacing `folder`
         only once the new one is complete."""
@@ -146,23 +172,50 @@ def sft_steps(sft, batches_per_epoch: int) -> int:
 
 
 def run_sft(cfg: Config) -> int:
+    from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint
     from hybridrl.trainer.loop import open_writer
+    from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
 
+    sc = cfg.sft
     le, tokenizer, groups, loader = _setup(cfg)
-    total = sft_steps(cfg.sft, len(loader))
+    total = sft_steps(sc, len(loader))
+    ckpt = CheckpointManager(sc.default_local_dir, {"actor": sc.max_ckpt_to_keep})
+    resume_from = choose_checkpoint(ckpt, sc.resume_mode, cfg.trainer.verify_checkpoint_digests)
     writer = open_writer(cfg, le.rank == 0, suffix="_sft")
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
-    val = sft_loader(cfg, tokenizer, groups, cfg.sft.val_files) if cfg.sft.val_files else None
-    losses = []
-    for step, batch in zip(range(1, total + 1), loader):
+    start = trainer.resume(resume_from)
+    if start:
+        writer.resumed_at(start)
+    val = sft_loader(cfg, tokenizer, groups, sc.val_files) if sc.val_files else None
+    saver = CheckpointWriter(ckpt)
+    stops = StopRequests(os.path.join(sc.default_local_dir, STOP_FILE),
+                         deadline(cfg.trainer.max_runtime, cfg.trainer.stop_margin_s))
+    stops.clear_stop_file(ckpt.latest())
+    losses, code = [], 0
+    for step, batch in zip(range(start + 1, total + 1), loader.batches_after(start)):
         metrics = trainer.step(batch)
         losses.append(metrics["sft/loss"])
-        if val is not None and (step == total or (cfg.sft.test_freq and step % cfg.sft.test_freq == 0)):
+        if val is not None and (step == total or (sc.test_freq and step % sc.test_freq == 0)):
             metrics.update(trainer.validate(val.one_pass()))
         writer.log(metrics, step, ("sft/loss", "sft/grad_norm", "sft/lr", "val/loss"))
-    k = max(1, len(losses) // 10)
-    print0(f"sft loss: first {k} steps {sum(losses[:k]) / k:.4f} -> last {k} steps {sum(losses[-k:]) / k:.4f}")
-    trainer.save(cfg.sft.output_dir)
-    print0(f"saved the SFT model to {cfg.sft.output_dir} (RL: model.path={cfg.sft.output_dir})")
+        reason = stops.agreed(groups.device)
+        if reason and step == total:
+            print0(f"stop requested at the last step {step} ({reason}): the run ends as planned")
+            stops.served()
+            reason = ""
+        if (sc.save_freq and (step % sc.save_freq == 0 or step == total)) or reason:
+            trainer.save_checkpoint(saver, step)
+        if reason:
+            print0(f"saved on signal at step {step} ({reason}): {ckpt.latest()}; the same command resumes it")
+            stops.mark_stopped(step, reason)
+            code = EXIT_PREEMPTED
+            break
+    stops.restore()
+    if losses:
+        k = max(1, len(losses) // 10)
+        print0(f"sft loss: first {k} steps {sum(losses[:k]) / k:.4f} -> last {k} steps {sum(losses[-k:]) / k:.4f}")
+    if not code:
+        trainer.save(sc.output_dir)
+        print0(f"saved the SFT model to {sc.output_dir} (RL: model.path={sc.output_dir})")
     writer.close()
-    return 0
+    return code

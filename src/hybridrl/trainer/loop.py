@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint, load_checkpoint, naming_damage
+from hybridrl.checkpoint.writer import layout_of
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
 from hybridrl.parallel import liveness
@@ -86,11 +87,6 @@ def _remote_roles(roles) -> dict:
     return {"critic": roles.critic} if roles.critic is not None and not hasattr(roles.critic, "engine") else {}
 
 
-def _layout(groups) -> dict:
-    """What decides which rank a saved RNG stream belongs to (checkpoint.writer.same_layout)."""
-    return {"tp": groups.tp, "pp": groups.pp, "dp": groups.dp, "cp": groups.cp, "ep": groups.ep}
-
-
 IN_FLIGHT = "in_flight.pt"
 """Split placement at staleness 1: the next step's batch, generated but not trained when the checkpoint was taken."""
 
@@ -100,7 +96,7 @@ def _save(saver: CheckpointWriter, trainer, data_state: dict, step: int) -> None
 
     from hybridrl.models.lora_export import lora_meta
 
-    meta = {"data": data_state, "kl_coef": trainer.kl_ctrl.value, "layout": _layout(trainer.groups),
+    meta = {"data": data_state, "kl_coef": trainer.kl_ctrl.value, "layout": layout_of(trainer.groups),
             "hf_config": load_hf_config(trainer.roles.hf_folder), **lora_meta(trainer.actor.engine.module)}
     in_flight = trainer.remote.in_flight() if trainer.remote is not None else None
     saver.save(step, _checkpointed_roles(trainer.roles), meta, {IN_FLIGHT: in_flight},
@@ -396,7 +392,7 @@ def _resume(trainer, path, loader) -> int:
     if path is None:
         return 0
     trainer.hybrid.enter("checkpoint")  # loaded in place: every trainable state on the device
-    meta = load_checkpoint(path, _checkpointed_roles(trainer.roles), _layout(trainer.groups))
+    meta = load_checkpoint(path, _checkpointed_roles(trainer.roles), layout_of(trainer.groups))
     for name, role in _remote_roles(trainer.roles).items():
         if name not in meta["roles"]:
             from hybridrl.checkpoint import CheckpointError
