@@ -56,7 +56,7 @@ def warm(tmp_path_factory):
 @pytest.mark.slow
 def test_sft_then_multi_turn_rl(warm, tmp_path):
     rl = [f"model.path={warm}/sft_hf", "trainer.test_freq=0", "trainer.val_before_train=false"]
-    out = _run("train_ppo.py", _paths(warm, tmp_path / "tp1") + rl + ["trainer.total_training_steps=3"])
+    out = _run("train_ppo.py", _paths(warm, tmp_path / "tp1") + rl + ["trainer.total_training_steps=3", "trainer.test_freq=3"])
     assert "mean reward: first 1 steps" in out and "tool calls per trajectory: first 1 steps" in out
     one = read_scalars(tmp_path / "tp1")
     for step in (1, 2, 3):
@@ -68,6 +68,9 @@ def test_sft_then_multi_turn_rl(warm, tmp_path):
         assert one["rollout/logprob_diff_max"][step] <= 1e-4, one["rollout/logprob_diff_max"]
         # response lengths count tool output; the loss mask (what entropy averages over) does not
         assert one["response_length/mean"][step] > one["perf/rollout_tokens"][step] / 64
+    # validation after the last step: verl's val-aux/num_turns over the val responses, model turns as above
+    turns = {k: one[f"val-aux/num_turns/{k}"][3] for k in ("min", "mean", "max")}
+    assert 1 <= turns["min"] <= turns["mean"] <= turns["max"] <= 3 and turns["max"] >= 2, turns
     # rollout TP 2 over two DP ranks: the same first step
     _run("train_ppo.py", _paths(warm, tmp_path / "tp2") + rl + ["trainer.total_training_steps=1",
                                                                   "rollout.tensor_model_parallel_size=2"], nproc=2)

@@ -441,13 +441,17 @@ class PPOTrainer:
                               stop_token_ids=self.tok.eos_token_ids, seed=self.cfg.rollout.seed)
 
     def validate(self, val_loader) -> Dict[str, float]:
-        """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...)."""
+        """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...; multi-turn:
+        val-aux/num_turns/min, max and mean over every response)."""
         sampling = self.val_sampling()
         samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
+        turns = []  # multi-turn: each response's model turns (rollout/num_turns' count)
         for b, prompts in enumerate(val_loader):
             if len(prompts) == 0 and self.remote is None:  # split: every rank joins each request
                 continue
             batch = self.generate(prompts, sampling, step=-1)
+            if "num_turns" in batch:
+                turns += batch["num_turns"].tolist()
             scores, _, infos = self.score_details(batch, prompts, sampling.n, use_reward_model=False)  # rule-checked
             for i, score in enumerate(scores.tolist()):
                 p = i // sampling.n
@@ -455,7 +459,12 @@ class PPOTrainer:
                 # one uid per val row (verl: a uuid each): its rank, batch and place (a row's index is its place in
                 # its own file, which two val files share)
                 samples.append((prompts.data_source[p], (self.groups.dp_rank, b, p), values))
-        return metrics_from_samples(gather_objects_dp(samples, self.groups))
+        metrics = metrics_from_samples(gather_objects_dp(samples, self.groups))
+        turns = gather_objects_dp(turns, self.groups)
+        if turns:  # as verl's val-aux/num_turns/{min,max,mean}
+            metrics.update({"val-aux/num_turns/min": float(min(turns)), "val-aux/num_turns/max": float(max(turns)),
+                            "val-aux/num_turns/mean": sum(turns) / len(turns)})
+        return metrics
 
 
 def _finite(scores: torch.Tensor, source: str) -> torch.Tensor:
