@@ -277,6 +277,14 @@ def test_resume_is_bit_exact_and_tensorboard_names(tmp_path):
     missing = [n for n in METRIC_NAMES if n not in full]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert "val-core/synthetic/arith/acc/mean@1" in full and "val-aux/synthetic/arith/reward/mean@1" in full
+    # as verl's step timer, timing_s/step holds the step's checkpoint save (timing_s/save_checkpoint, steps 4
+    # and 8 only), and perf/throughput is over that time
+    saves = full["timing_s/save_checkpoint"]
+    assert set(saves) == {4, 8}, saves
+    for s in (4, 8):
+        stages = sum(full[f"timing_s/{k}"][s] for k in ("gen", "update_actor", "update_critic", "update_weights"))
+        assert stages + saves[s] <= full["timing_s/step"][s] * (1 + 1e-6), (s, stages, saves[s])
+        assert full["perf/throughput"][s] == pytest.approx(full["perf/total_num_tokens"][s] / full["timing_s/step"][s])
     for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean", "actor/grad_norm", "actor/ppo_kl",
                 "actor/reward_kl_penalty_coeff"):
         for step in range(5, 9):

@@ -22,16 +22,24 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global grad-norm clip; 0 disables."""
     lr_warmup_steps: int = 0
-    """Linear warmup steps."""
+    """Linear warmup steps, from lr_warmup_init at the first update to lr after them (megatron's and verl's: the
+    first update of a warmup runs at lr_warmup_init); <= 0: lr_warmup_steps_ratio of the run's steps."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup as a share of the run's steps (int(ratio * steps)), where lr_warmup_steps is <= 0 (verl's key)."""
+    lr_warmup_init: float = 0.0
+    """LR of the first warmup update (megatron's and verl's lr_warmup_init)."""
     lr_decay_style: str = "constant"
     """constant, linear or cosine decay after warmup."""
     min_lr_ratio: float = 0.0
-    """Final LR as a fraction of lr for linear/cosine decay."""
+    """Final LR as a fraction of lr for linear/cosine decay (verl's Megatron min_lr is lr * this)."""
 
     def __post_init__(self):
         check(self.lr >= 0, "optim.lr must be >= 0")
         check(len(self.betas) == 2, "optim.betas must have two values")
         one_of("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+        check(0.0 <= self.lr_warmup_steps_ratio < 1.0, f"optim.lr_warmup_steps_ratio={self.lr_warmup_steps_ratio}: "
+                                                      "pass a share of the run's steps in [0, 1)")
+        check(self.lr_warmup_init >= 0, "optim.lr_warmup_init must be >= 0")
 
 
 @dataclass(frozen=True)

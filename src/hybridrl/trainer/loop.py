@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_chec
 from hybridrl.checkpoint.writer import layout_of
 from hybridrl.config import Config
 from hybridrl.log import print0, setup_logging
+from hybridrl.metrics import throughput_metrics
 from hybridrl.parallel import liveness
 from hybridrl.trainer.ppo import PPOTrainer, TrainingError
 
@@ -312,12 +314,6 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
         rewards.append(metrics["critic/score/mean"])
         if "rollout/tool_calls/mean" in metrics:
             tool_calls.append(metrics["rollout/tool_calls/mean"])
-        console = validated or step % tc.log_freq == 0 or step == total
-        writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)
-        _log_late(writer, trainer.late_metrics, profile_steps)
-        if profile:
-            print0(_profile_line(step, metrics))
-            profile_steps.append(metrics)
         saver.poll()
         reason = stops.agreed(groups.device)
         if reason and step == total:  # the run is complete: nothing to resume, no requeue
@@ -325,8 +321,16 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
             stops.served()
             reason = ""
         if (tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total)) or reason:
+            saving = time.perf_counter()
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
             _save(saver, trainer, feed.resume_state(), step)
+            _count_save(metrics, time.perf_counter() - saving)
+        console = validated or step % tc.log_freq == 0 or step == total
+        writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)
+        _log_late(writer, trainer.late_metrics, profile_steps)
+        if profile:
+            print0(_profile_line(step, metrics))
+            profile_steps.append(metrics)
         bar.update(1)
         if reason:
             saver.finalize()
@@ -354,6 +358,14 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
     writer.close()
     stops.restore()
     return code
+
+
+def _count_save(metrics: dict, seconds: float) -> None:
+    """The step's checkpoint save inside its timing_s/step (and so perf/throughput), as verl's step timer holds
+    _save_checkpoint; on its own as timing_s/save_checkpoint."""
+    metrics["timing_s/save_checkpoint"] = seconds
+    metrics["timing_s/step"] += seconds
+    metrics.update(throughput_metrics(metrics, int(metrics["perf/total_num_tokens"]), dist.get_world_size()))
 
 
 def _log_late(writer, late: list, profile_steps: list) -> None:

@@ -22,13 +22,22 @@ from hybridrl.config import ConfigError, OptimConfig
 from hybridrl.parallel.distributed import ParallelGroups
 
 
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """optim.lr_warmup_steps, or where it is <= 0 lr_warmup_steps_ratio of the run's steps (as verl)."""
+    return cfg.lr_warmup_steps if cfg.lr_warmup_steps > 0 else int(cfg.lr_warmup_steps_ratio * total_steps)
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Linear warmup, then constant / linear / cosine decay to lr * min_lr_ratio."""
-    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
-    if cfg.lr_decay_style == "constant" or total_steps <= cfg.lr_warmup_steps:
+    """The LR of the update at schedule position `step` (0 for the first), as megatron-core's
+    OptimizerParamScheduler gives it with lr_decay_steps = total_steps (verl's Megatron scheduler): linear
+    warmup from lr_warmup_init at step 0 to lr at step W, then constant / linear / cosine decay to
+    lr * min_lr_ratio at total_steps. A run no longer than its warmup stays at lr once warmed up."""
+    warmup = warmup_steps(cfg, total_steps)
+    if warmup and step < warmup:
+        return cfg.lr_warmup_init + (cfg.lr - cfg.lr_warmup_init) * step / warmup
+    if cfg.lr_decay_style == "constant" or total_steps <= warmup:
         return cfg.lr
-    progress = min(1.0, (step - cfg.lr_warmup_steps) / max(1, total_steps - cfg.lr_warmup_steps))
+    progress = min(1.0, (step - warmup) / (total_steps - warmup))
     floor = cfg.lr * cfg.min_lr_ratio
     if cfg.lr_decay_style == "linear":
         return floor + (cfg.lr - floor) * (1.0 - progress)

@@ -64,9 +64,11 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
         width = mini["response_mask"].shape[1]
         rows_per_step.append({k: scatter_rows([r[k] for r in rows], plan, width) for k in rows[0]} if rows else {})
         history.append(finish_step(engine, optimizer, stats, role, apply, advance=False))
+    metrics = mean_of(history)
     if apply:  # the LR schedule moves once per training step, whatever the number of optimizer steps
         optimizer.advance_schedule()
-    return mean_of(history), rows_per_step
+        metrics[f"{role}/lr"] = optimizer.current_lr()  # verl 0.9.1 logs it after the scheduler step
+    return metrics, rows_per_step
 
 
 def check_one_step(what: str, fix: str, ppo_epochs: int, rows: int, mini_batch_rows: int) -> None:
@@ -80,7 +82,8 @@ def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, ap
                 advance: bool = True):
     """Sum micro-batch metrics over DP, then take the optimizer step (a non-finite loss or grad norm stops the run;
     fp16 with a loss scaler skips the overflowing step instead);
-    `advance`: this step is a whole training step, so the LR schedule moves on. Metrics may be device
+    `advance`: this step is a whole training step, so the LR schedule moves on (and `<role>/lr` is the LR after
+    that move, the next update's, which is what verl 0.9.1 logs). Metrics may be device
     tensors: they are summed where they are and read once (`dp_sum`), not once per micro-batch."""
     summed = {}
     for s in stats:
@@ -103,4 +106,5 @@ def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, ap
     metrics[f"{role}/lr"] = lr
     if advance:
         optimizer.advance_schedule()
+        metrics[f"{role}/lr"] = optimizer.current_lr()  # as verl 0.9.1: the LR after the scheduler step
     return metrics
