@@ -151,7 +151,7 @@ def _hybridrl(folder, rm_folder, batch):
     from hybridrl.workers.optim import build_optimizer
 
     groups = init_model_parallel(1, 1)
-    acfg = ActorConfig(optim=OptimConfig(lr=LR, eps=EPS, clip_grad=CLIP_GRAD), ppo_epochs=EPOCHS,
+    acfg = ActorConfig(optim=OptimConfig(lr=LR, eps=EPS, clip_grad=CLIP_GRAD, weight_decay=0.0), ppo_epochs=EPOCHS,
                        ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=2, clip_ratio_low=LOW,
                        clip_ratio_high=HIGH, clip_ratio_c=DUAL, entropy_coeff=ENT, use_kl_loss=True, kl_loss_coef=KL,
                        kl_loss_type="low_var_kl", loss_agg_mode="token-mean")
@@ -166,7 +166,8 @@ def _hybridrl(folder, rm_folder, batch):
     steps.clear()
     weights = {k: v.detach().clone() for k, v in mcore_to_hf_stream(module, spec, groups)}
 
-    ccfg = CriticConfig(optim=OptimConfig(lr=CRITIC_LR, eps=EPS, clip_grad=CLIP_GRAD), ppo_epochs=EPOCHS,
+    ccfg = CriticConfig(optim=OptimConfig(lr=CRITIC_LR, eps=EPS, clip_grad=CLIP_GRAD, weight_decay=0.0),
+                        ppo_epochs=EPOCHS,
                         ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=2, cliprange_value=VALUE_CLIP)
     cmodel, cspec, _ = critic_from_hf(rm_folder, groups)
     cmodule = wrap_trainable(cmodel, Config(critic=ccfg))

@@ -13,8 +13,9 @@ from hybridrl.config.lora import LoraConfig
 class OptimConfig:
     lr: float = 1e-6
     """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW) of the weight matrices; norms and biases are not decayed (megatron's rule)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW) of the weight matrices (verl's default 0.01); norms and biases are not decayed
+    (megatron's rule)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam betas."""
     eps: float = 1e-8

@@ -320,13 +320,18 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
             print0(f"stop requested at the last step {step} ({reason}): the run ends as planned")
             stops.served()
             reason = ""
+        console = validated or step % tc.log_freq == 0 or step == total
+        log = lambda: writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)  # noqa: E731
         if (tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total)) or reason:
             saving = time.perf_counter()
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
-            _save(saver, trainer, feed.resume_state(), step)
+            try:
+                _save(saver, trainer, feed.resume_state(), step)
+            except Exception:
+                log()  # the step trained: its metrics stay on record whatever became of its save
+                raise
             _count_save(metrics, time.perf_counter() - saving)
-        console = validated or step % tc.log_freq == 0 or step == total
-        writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)
+        log()
         _log_late(writer, trainer.late_metrics, profile_steps)
         if profile:
             print0(_profile_line(step, metrics))
