@@ -20,7 +20,8 @@ def _sft(tmp, run, *extra):
     """scripts/train_sft.py over the shared demonstrations of `tmp`, its checkpoints and HF folder under `run`."""
     overrides = [f"sft.train_files=[{tmp}/demo.parquet]", "sft.train_batch_size=8", "sft.micro_batch_size_per_gpu=4",
                  "sft.max_length=128", f"sft.total_training_steps={STEPS}", "sft.optim.lr=1e-3",
-                 f"sft.default_local_dir={run}/ckpt", f"sft.output_dir={run}/hf", f"trainer.default_local_dir={tmp}/init",
+                 f"sft.default_local_dir={run}/ckpt", f"sft.output_dir={run}/hf",
+                 f"trainer.default_local_dir={tmp}/init",
                  f"trainer.log_dir={run}/tb", "trainer.logger=[console]", *extra]
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_sft.py"), "--config", CONFIG]
                           + overrides, capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -55,7 +56,8 @@ def test_a_stopped_sft_run_resumes_to_the_uninterrupted_weights(tmp_path):
     assert f"resumed from {stopped}/ckpt/global_step_1 at step 1" in second.stdout
     assert _steps_logged(second.stdout) == [2, 3, 4]
     assert not os.path.exists(stopped / "ckpt" / "STOP") and not os.path.exists(stopped / "ckpt" / "STOPPED")
-    expected, got = load_file(tmp_path / "whole" / "hf" / "model.safetensors"), load_file(stopped / "hf" / "model.safetensors")
+    expected = load_file(tmp_path / "whole" / "hf" / "model.safetensors")
+    got = load_file(stopped / "hf" / "model.safetensors")
     assert expected.keys() == got.keys()
     for name in expected:  # other batches (a restart from batch 0), fresh Adam moments or step count would differ
         assert (expected[name] == got[name]).all(), name

@@ -239,7 +239,8 @@ def same_layout(saved: dict, current: dict) -> bool:
 def _other_run(path: str, saved: str) -> str:
     if saved == "sft":
         return (f"{path} is an SFT checkpoint (scripts/train_sft.py): an RL run starts from SFT weights with "
-                f"model.path=<its sft.output_dir> (`scripts/convert_checkpoint.py ckpt-to-hf --input {path}` writes this one's)")
+                f"model.path=<its sft.output_dir> (`scripts/convert_checkpoint.py ckpt-to-hf --input {path}` "
+                "writes this one's)")
     return (f"{path} is an RL checkpoint, not an SFT one: pass sft.resume_mode a global_step_* folder under "
             "sft.default_local_dir, or sft.resume_mode=disable")
 
