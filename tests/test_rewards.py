@@ -152,8 +152,11 @@ def test_registry_maps_data_sources():
     assert get_reward_fn("openai/gsm8k")("#### 3", "3") == 1.0
     assert get_reward_fn("openai/gsm8k")("it is 3", "3") == 0.0
     assert get_reward_fn("openai/gsm8k", "flexible")("it is 3", "3") == 1.0
-    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math"):
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
         assert get_reward_fn(source)("\\boxed{3}", "3") == 1.0
+    # verl's routing: "math", DAPO's sources and aime* go to DAPO's scorer, +1 / -1 (tests/test_verl_parity.py)
+    for source in ("math", "math_dapo", "math_dapo_reasoning", "aime2024", "aime_2025"):
+        assert get_reward_fn(source)("Answer: 3", "3") == 1.0 and get_reward_fn(source)("Answer: 4", "3") == -1.0
     assert get_reward_fn("synthetic/arith")("3", "3") == 1.0
 
 
@@ -168,7 +171,8 @@ def test_unknown_data_source_lists_known_ones():
 def test_manager_builtin_batch():
     manager = RewardManager(RewardConfig(gsm8k_method="flexible"))
     scores, extra = manager.score_batch(["so 72", "\\boxed{0.5}", "7x", "8", "x"],
-                                        ["openai/gsm8k", "math", "synthetic/arith", "synthetic/arith", "openai/gsm8k"],
+                                        ["openai/gsm8k", "lighteval/MATH", "synthetic/arith", "synthetic/arith",
+                                         "openai/gsm8k"],
                                         ["72", "\\frac{1}{2}", "7", "9", "1"], [{}] * 5)
     assert scores.dtype == torch.float32
     assert torch.allclose(scores, torch.tensor([1.0, 1.0, 0.8, 0.57, 0.0]))
@@ -178,6 +182,10 @@ def test_manager_builtin_batch():
     assert extra["acc"] == [1.0, 1.0, 1.0, 0.0, 0.0] and "score" not in extra
     with pytest.raises(RewardError, match="differ in length"):
         manager(["a"], ["math", "math"], ["1"])
+    # DAPO's scorer returns a dict in verl, so its managers keep "score" beside "acc" and "pred"
+    scores, extra = manager.score_batch(["Answer: 7", "\\boxed{8}"], ["math", "aime2024"], ["7", "9"])
+    assert scores.tolist() == [1.0, -1.0]
+    assert extra == {"score": [1.0, -1.0], "acc": [1.0, 0.0], "pred": ["7", "8"]}
 
 
 CUSTOM = '''

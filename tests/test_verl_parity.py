@@ -3,7 +3,8 @@ tests/verl_reference/make_reference.py in a side venv with verl installed, `make
 aggregation, the vanilla and GSPO policy losses and their gradients, GRPO / Dr. GRPO, RLOO, REINFORCE++
 (over multi-turn masks with holes), REINFORCE++-baseline and ReMax advantages, the KL penalties past their
 clamps, the clipped value loss, the adaptive KL controller and the KL-in-reward step, GSM8k scoring, DAPO's
-overlong penalty and the validation metrics (mean@N, best@N, worst@N, maj@N)."""
+overlong penalty and the validation metrics (mean@N, best@N, worst@N, maj@N); DAPO's math scorer (what verl routes
+data_source "math" and aime* to) from tests/verl_reference/math_dapo_verl_0_9_1.json."""
 import json
 import math
 import os
@@ -152,3 +153,21 @@ def test_validation_metrics_match_verl_bootstrap(case):
             assert set(got[source][var]) == set(metrics), (source, var)
             for name, value in metrics.items():
                 assert math.isclose(got[source][var][name], value, rel_tol=1e-12, abs_tol=1e-12), (source, var, name)
+
+
+with open(os.path.join(os.path.dirname(REF_PATH), "math_dapo_verl_0_9_1.json")) as _f:
+    MATH_DAPO = json.load(_f)
+
+
+def test_dapo_math_scorer_matches_verl():
+    from hybridrl.rewards import RewardManager
+    from hybridrl.config import RewardConfig
+
+    assert MATH_DAPO["verl_version"] == "0.9.1" and len(MATH_DAPO["cases"]) > 100
+    cases = MATH_DAPO["cases"]
+    assert 0 < sum(c["acc"] for c in cases) < len(cases)  # both verdicts, through both the Answer: and the box paths
+    scores, extra = RewardManager(RewardConfig()).score_batch([c["solution"] for c in cases], ["math"] * len(cases),
+                                                              [c["ground_truth"] for c in cases])
+    for i, c in enumerate(cases):
+        got = (scores[i].item(), extra["acc"][i], extra["pred"][i])
+        assert got == (c["score"], float(c["acc"]), c["pred"]), (c["solution"][-80:], c["ground_truth"], got)

@@ -23,14 +23,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridrl.config import RewardConfig
-from hybridrl.rewards import arith, gsm8k, math
+from hybridrl.rewards import arith, gsm8k, math, math_dapo
 
 BUILTIN_REWARDS: Dict[str, str] = {
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",
     "HuggingFaceH4/MATH-500": "math",
-    "math": "math",
+    "math": "math_dapo",
+    "math_dapo": "math_dapo",
+    "math_dapo_reasoning": "math_dapo",
     "synthetic/arith": "arith",
     "synthetic/arith_tools": "arith_exact",
 }
@@ -40,33 +42,42 @@ class RewardError(ValueError):
     """A reward that cannot be computed; the message names the row or file and the fix."""
 
 
+def builtin_kind(data_source: str) -> Optional[str]:
+    """Which built-in scorer a data_source gets: BUILTIN_REWARDS, and DAPO's math scorer for "aime*" (as verl)."""
+    return "math_dapo" if data_source.startswith("aime") else BUILTIN_REWARDS.get(data_source)
+
+
 def get_reward_fn(data_source: str, gsm8k_method: str = "strict", shaped: bool = True) -> Callable[[str, Any], float]:
     """The rule scorer fn(solution_str, ground_truth) -> float of a known data_source; `shaped=False`
     drops shaping that only guides a policy (the synthetic task's near-miss credit)."""
-    kind = BUILTIN_REWARDS.get(data_source)
+    kind = builtin_kind(data_source)
     if kind == "gsm8k":
         return functools.partial(gsm8k.compute_score, method=gsm8k_method)
     if kind == "math":
         return math.compute_score
+    if kind == "math_dapo":
+        return lambda solution, truth: math_dapo.compute_score(solution, truth)["score"]
     if kind == "arith":
         return arith.compute_score if shaped else functools.partial(arith.compute_score, near_miss=False)
     if kind == "arith_exact":
         return arith.compute_exact_score
     raise RewardError(f"no built-in reward for data_source={data_source!r}; known: "
-                      f"{', '.join(BUILTIN_REWARDS)}. For other data, write a function "
+                      f"{', '.join(BUILTIN_REWARDS)}, aime*. For other data, write a function "
                       "fn(data_source, solution_str, ground_truth, extra_info) in a .py file and "
                       "set reward.custom_function.path (and reward.custom_function.name)")
 
 
 def builtin_extras(data_source: str, response: str, ground_truth: Any,
                    gsm8k_method: str = "strict") -> Dict[str, Any]:
-    """Per-response values beside the built-in score: "pred" ("" when no answer), "acc" for arith."""
-    kind = BUILTIN_REWARDS.get(data_source)
+    """Per-response values beside the built-in score: "pred" ("" when no answer), "acc" for arith and DAPO math."""
+    kind = builtin_kind(data_source)
     if kind == "gsm8k":
         return {"pred": gsm8k.extract_solution(response, gsm8k_method) or ""}
     if kind == "math":
         boxed = math.last_boxed_only_string(response)
         return {"pred": math.normalize(math.remove_boxed(boxed)) if boxed else ""}
+    if kind == "math_dapo":
+        return math_dapo.compute_score(response, ground_truth)  # its "score" too, as verl's managers keep it
     if kind == "arith":
         return {"pred": arith.prediction(response), "acc": float(arith.is_correct(response, ground_truth))}
     return {}
