@@ -56,6 +56,18 @@ def test_dataset_rows_and_batch_fields(tmp_path, tok):
     assert batch.extra_info == [{"index": 0}, {"index": 1}]
 
 
+def test_rows_of_two_files_have_their_own_index_and_seed(tmp_path, tok):
+    """A row's index (what its sampling seed derives from) runs over the files in order: row 0 of a second file
+    is not row 0 of the first (the same seed drew the same noise for both, correlating their samples)."""
+    from hybridrl.trainer.ppo import prompt_seeds
+
+    first = write(tmp_path / "a.parquet", [row("3+4=", "7", 0), row("12+1=", "13", 1)])
+    second = write(tmp_path / "b.parquet", [row("5+5=", "10", 0), row("2+2=", "4", 1)])
+    ds = PromptDataset([first, second], tok, DataConfig())
+    assert [r.index for r in ds.rows] == [0, 1, 2, 3] and [r.file for r in ds.rows] == [first] * 2 + [second] * 2
+    assert len(set(prompt_seeds(1, 5, [r.index for r in ds.rows]))) == 4
+
+
 def test_plain_string_prompt_and_prompt_key(tmp_path, tok):
     rows = [{"data_source": "s", "question": "2+2=", "reward_model": {"ground_truth": "4"}}]
     path = write(tmp_path / "q.parquet", rows)

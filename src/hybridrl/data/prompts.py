@@ -35,7 +35,9 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class PromptRow:
-    """One tokenized prompt; `index` is its row in `file`."""
+    """One tokenized prompt; `index` is its row over the dataset's files in order (a second file's first row
+    follows the first file's last, filtered rows counted): sampling seeds derive from it, so rows of two files
+    never share one."""
     input_ids: List[int]
     raw_prompt: str
     data_source: str
@@ -183,7 +185,7 @@ class PromptDataset:
         self.files = [files] if isinstance(files, str) else list(files)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.rows: List[PromptRow] = []
-        self.num_filtered = 0
+        self.num_filtered, self.num_read = 0, 0
         for path in self.files:
             self._add_file(path)
         if self.num_filtered:
@@ -197,6 +199,7 @@ class PromptDataset:
 
     def _add_file(self, path: str) -> None:
         records = read_parquet_records(path, self.cfg.prompt_key)
+        first, self.num_read = self.num_read, self.num_read + len(records)
         for i, record in enumerate(records):
             messages, data_source, ground_truth, extra_info = parse_record(
                 record, path, i, self.cfg.prompt_key)
@@ -210,7 +213,7 @@ class PromptDataset:
             if ids is None:
                 self.num_filtered += 1
                 continue
-            self.rows.append(PromptRow(ids, text, data_source, ground_truth, extra_info, path, i, messages))
+            self.rows.append(PromptRow(ids, text, data_source, ground_truth, extra_info, path, first + i, messages))
 
     def __len__(self) -> int:
         return len(self.rows)

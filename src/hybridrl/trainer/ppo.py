@@ -456,8 +456,7 @@ class PPOTrainer:
             for i, score in enumerate(scores.tolist()):
                 p = i // sampling.n
                 values = {"reward": score, **{k: v[i] for k, v in infos.items()}}
-                # one uid per val row (verl: a uuid each): its rank, batch and place (a row's index is its place in
-                # its own file, which two val files share)
+                # one uid per val row (verl: a uuid each): its rank, batch and place
                 samples.append((prompts.data_source[p], (self.groups.dp_rank, b, p), values))
         metrics = metrics_from_samples(gather_objects_dp(samples, self.groups))
         turns = gather_objects_dp(turns, self.groups)
