@@ -286,3 +286,14 @@ def test_a_plain_string_file_is_a_one_element_list(tmp_path):
     assert (cfg.data.train_files, cfg.data.val_files, cfg.sft.train_files) == \
         (["gsm8k/train.parquet"], ["gsm8k/test.parquet"], ["sft.parquet"])
     assert load_config("", ["data.train_files=[a.parquet,b.parquet]"]).data.train_files == ["a.parquet", "b.parquet"]
+
+
+def test_epochs_decide_the_rl_run_length_unless_steps_are_set():
+    """As verl's trainer (total_training_steps null): a config that sets only trainer.total_epochs runs that many
+    passes over the data (the default of 40 steps ran instead); a set total_training_steps decides alone."""
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.loop import _total_steps
+
+    batches = [None] * 7  # what _total_steps reads of a loader: its batches per epoch
+    assert _total_steps(load_config("", ["trainer.total_epochs=3"]), batches) == 21
+    assert _total_steps(load_config("", ["trainer.total_epochs=3", "trainer.total_training_steps=5"]), batches) == 5

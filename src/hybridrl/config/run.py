@@ -14,10 +14,11 @@ LOGGERS = ("console", "tensorboard", "wandb")
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_training_steps: int = 40
-    """Training steps to run (0: total_epochs over the data)."""
+    total_training_steps: int = 0
+    """Training steps to run; 0 (the default, verl's null): total_epochs over the data (a verl job that sets only
+    trainer.total_epochs runs its epochs here too; it ran 40 steps)."""
     total_epochs: int = 1
-    """Epochs over the data when total_training_steps is 0."""
+    """Epochs over the data when total_training_steps is 0 (verl's default is 30: set it)."""
     critic_warmup: int = 0
     """The first step whose actor update runs, as verl counts it: steps 1 .. critic_warmup - 1 update only the
     critic (0 and 1: the actor from the first step)."""
