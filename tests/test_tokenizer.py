@@ -52,6 +52,23 @@ def test_tiny_saves_and_loads_as_hf_folder(tiny, tmp_path):
     assert load_tokenizer(os.path.join(folder, "tokenizer.json")).vocab_size == 54
 
 
+def test_an_unset_data_tokenizer_is_the_models_own(tmp_path):
+    """data.tokenizer empty (the default, verl's null): model.path's tokenizer where the folder has one, so a real
+    checkpoint is never read with the tiny tokenizer (it was builtin:tiny whatever model.path said); builtin:tiny
+    without a model.path or for a folder without a tokenizer; a set value is used as given."""
+    from hybridrl.config.io import load_config
+    from hybridrl.tokenizer import tokenizer_source
+
+    model = save_tiny_tokenizer(str(tmp_path / "model"), tools=True)  # a model folder with its own tokenizer
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert load_config("", []).data.tokenizer == ""
+    assert tokenizer_source("", model) == model
+    assert load_tokenizer(tokenizer_source("", model)).vocab_size == load_tokenizer(TINY_TOOLS_SPEC).vocab_size != 54
+    assert tokenizer_source("", str(bare)) == tokenizer_source("", "") == TINY_SPEC
+    assert tokenizer_source(TINY_SPEC, model) == TINY_SPEC
+
+
 def _hf_folder(tmp_path, chat_template=None):
     """A tiny HF folder whose chat template (if any) lives in tokenizer_config.json."""
     folder = save_tiny_tokenizer(str(tmp_path / "hf"))

@@ -243,6 +243,21 @@ def _load_hf_folder(folder: str) -> HFTokenizer:
     return HFTokenizer(hf, folder)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these in a model folder: it carries its own tokenizer."""
+
+
+def tokenizer_source(spec: str, model_path: str) -> str:
+    """data.tokenizer as given; where it is empty (the default, verl's null), the model's: model.path when that
+    folder holds a tokenizer, else builtin:tiny (a random model built from the config's fields, or a folder
+    without one). A real checkpoint thus never meets the tiny tokenizer by default."""
+    if spec:
+        return spec
+    if model_path and any(os.path.isfile(os.path.join(model_path, f)) for f in TOKENIZER_FILES):
+        return model_path
+    return TINY_SPEC
+
+
 def load_tokenizer(spec: str, model_folder: str = "") -> Tokenizer:
     """An HF tokenizer folder, a SentencePiece `.model` file, `builtin:tiny` or `builtin:tiny_tools`;
     the stop ids of generation_config.json in the tokenizer folder and in `model_folder` join

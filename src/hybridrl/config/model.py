@@ -17,8 +17,9 @@ class DataConfig:
     """Parquet files of validation prompts."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a list of chat messages or a plain string."""
-    tokenizer: str = "builtin:tiny"
-    """HF tokenizer folder, a SentencePiece .model file, or builtin:tiny (the project's own)."""
+    tokenizer: str = ""
+    """HF tokenizer folder, a SentencePiece .model file, or builtin:tiny / builtin:tiny_tools (the project's own);
+    empty (the default, as verl's null): model.path's own tokenizer, builtin:tiny where model.path has none."""
     max_prompt_length: int = 32
     """Longest prompt in tokens; longer ones are filtered or truncated."""
     max_response_length: int = 16

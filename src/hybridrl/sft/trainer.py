@@ -153,12 +153,12 @@ def _setup(cfg: Config):
     from hybridrl.config.layout import expert_parallel_size, model_dims, model_parallel_sizes
     from hybridrl.log import setup_logging
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
-    from hybridrl.tokenizer import load_tokenizer
+    from hybridrl.tokenizer import load_tokenizer, tokenizer_source
 
     setup_logging()
     le = init_distributed()
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path)
     dims = model_dims(cfg.model, tokenizer.vocab_size)
     tp, pp, dp = model_parallel_sizes(cfg, le.world_size, dims)
     groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed, ep=expert_parallel_size(cfg, dims, tp, dp),
