@@ -69,6 +69,27 @@ def test_an_unset_data_tokenizer_is_the_models_own(tmp_path):
     assert tokenizer_source(TINY_SPEC, model) == TINY_SPEC
 
 
+THINKING = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>"
+            "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_every_rendering(tmp_path):
+    """data.apply_chat_template_kwargs (verl's key; Qwen3's enable_thinking=false): the prompt and the multi-turn
+    continuation render with them; from the config's dotted override; refused for a tokenizer without a template."""
+    from hybridrl.config.io import load_config
+
+    cfg = load_config("", ["data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    folder = _hf_folder(tmp_path, THINKING)
+    plain, quiet = load_tokenizer(folder), load_tokenizer(folder, "", cfg.data.apply_chat_template_kwargs)
+    assert plain.apply_chat_template(USER) == "<user>3+4=<assistant>"
+    assert quiet.apply_chat_template(USER) == "<user>3+4=<assistant><nothink>"
+    tool = [{"role": "tool", "content": "7"}]
+    assert plain.continuation_text(tool) == "<tool>7<assistant>" and quiet.continuation_text(tool) == "<tool>7<assistant><nothink>"
+    with pytest.raises(TokenizerError, match="needs a tokenizer with a chat template"):
+        load_tokenizer(_hf_folder(tmp_path / "none"), "", {"enable_thinking": False})
+
+
 def _hf_folder(tmp_path, chat_template=None):
     """A tiny HF folder whose chat template (if any) lives in tokenizer_config.json."""
     folder = save_tiny_tokenizer(str(tmp_path / "hf"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 TINY_SPEC = "builtin:tiny"
 TINY_TOOLS_SPEC = "builtin:tiny_tools"
@@ -115,6 +115,9 @@ class HFTokenizer(Tokenizer):
         self.pad_token_id = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(hf)
         self.has_chat_template = bool(getattr(hf, "chat_template", None))
+        self.template_kwargs: Dict[str, Any] = {}
+        """Extra variables of every chat-template rendering (data.apply_chat_template_kwargs, e.g. Qwen3's
+        enable_thinking), for prompts, multi-turn continuations and SFT alike."""
 
     def encode(self, text: str) -> List[int]:
         # Chat templates already carry any bos text; adding special tokens would double it.
@@ -130,7 +133,7 @@ class HFTokenizer(Tokenizer):
             return plain_chat_template(messages, add_generation_prompt)
         try:
             return self.hf.apply_chat_template(list(messages), tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt, **self.template_kwargs)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template of '{self.name}' rejects messages with roles "
                                     f"{[m['role'] for m in messages]}: {e}") from e
@@ -141,8 +144,10 @@ class HFTokenizer(Tokenizer):
         head = [{"role": "user", "content": _USER_PLACEHOLDER},
                 {"role": "assistant", "content": _ASSISTANT_PLACEHOLDER}]
         try:
-            before = self.hf.apply_chat_template(head, tokenize=False, add_generation_prompt=False)
-            after = self.hf.apply_chat_template(head + list(messages), tokenize=False, add_generation_prompt=True)
+            kwargs = self.template_kwargs
+            before = self.hf.apply_chat_template(head, tokenize=False, add_generation_prompt=False, **kwargs)
+            after = self.hf.apply_chat_template(head + list(messages), tokenize=False, add_generation_prompt=True,
+                                                **kwargs)
         except Exception as e:  # jinja raises its own types (e.g. "roles must alternate")
             raise TokenizerError(f"the chat template of '{self.name}' cannot render "
                                  f"{[m['role'] for m in messages]} messages after an assistant turn ({e}); "
@@ -258,11 +263,16 @@ def tokenizer_source(spec: str, model_path: str) -> str:
     return TINY_SPEC
 
 
-def load_tokenizer(spec: str, model_folder: str = "") -> Tokenizer:
+def load_tokenizer(spec: str, model_folder: str = "", template_kwargs: Dict[str, Any] | None = None) -> Tokenizer:
     """An HF tokenizer folder, a SentencePiece `.model` file, `builtin:tiny` or `builtin:tiny_tools`;
     the stop ids of generation_config.json in the tokenizer folder and in `model_folder` join
-    `eos_token_ids`."""
+    `eos_token_ids`; `template_kwargs` go to every rendering of its chat template (an HF one)."""
     tok = _load(spec)
+    if template_kwargs:
+        if not isinstance(tok, HFTokenizer) or not tok.has_chat_template:
+            raise TokenizerError(f"data.apply_chat_template_kwargs={dict(template_kwargs)} needs a tokenizer with a "
+                                 f"chat template; '{spec}' has none: drop the setting or use an HF tokenizer folder")
+        tok.template_kwargs = dict(template_kwargs)
     folder = spec if os.path.isdir(spec) else os.path.dirname(spec) if os.path.isfile(spec) else ""
     tok.extra_eos_token_ids = generation_eos_ids(folder) + generation_eos_ids(model_folder)
     return tok

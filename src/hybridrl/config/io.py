@@ -92,8 +92,13 @@ def _check_keys(node, schema_keys, prefix=""):
                 sub = next(iter(value))
                 full, value = f"{full}.{sub}", value[sub]
             raise _unknown_key_error(full)
-        if OmegaConf.is_dict(value):
+        if OmegaConf.is_dict(value) and not _free_form(full):
             _check_keys(value, schema_keys, full + ".")
+
+
+def _free_form(key: str) -> bool:
+    """A Dict-typed setting (data.apply_chat_template_kwargs): its keys are the user's, not the schema's."""
+    return field_type(key).replace("typing.", "").startswith("Dict[")
 
 
 def _words_back(node, prefix=""):

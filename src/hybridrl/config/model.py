@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hybridrl.config.checks import check, one_of
 
@@ -15,6 +15,9 @@ class DataConfig:
     """Parquet files of training prompts in verl's layout."""
     val_files: List[str] = field(default_factory=lambda: ["data/tiny_arith/test.parquet"])
     """Parquet files of validation prompts."""
+    apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra variables of the tokenizer's chat template (verl's key), e.g. {enable_thinking: false} for Qwen3:
+    used for prompts, multi-turn continuations and SFT trajectories alike."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a list of chat messages or a plain string."""
     tokenizer: str = ""

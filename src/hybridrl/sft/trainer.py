@@ -158,7 +158,8 @@ def _setup(cfg: Config):
     setup_logging()
     le = init_distributed()
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path)
+    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
+                               cfg.data.apply_chat_template_kwargs)
     dims = model_dims(cfg.model, tokenizer.vocab_size)
     tp, pp, dp = model_parallel_sizes(cfg, le.world_size, dims)
     groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed, ep=expert_parallel_size(cfg, dims, tp, dp),

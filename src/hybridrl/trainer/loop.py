@@ -127,7 +127,8 @@ def setup_run(cfg: Config):
     setup_logging()
     le = init_distributed(cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path)
+    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
+                               cfg.data.apply_chat_template_kwargs)
     layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
     groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed, ep=layout.ep, cp=layout.cp)
     if le.rank == 0:

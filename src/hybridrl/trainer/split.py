@@ -226,7 +226,8 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
         control = control_bridge(world)
         hello = control.broadcast_object(None, SENDER)
         receiver = WeightReceiver(weights_bridges(world, hello["streams"]), cfg.rollout.verify_weights)
-    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path)
+    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
+                               cfg.data.apply_chat_template_kwargs)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     spec = spec_from_dict(hello["spec"])
     engine = build_rollout(cfg, spec, groups, tokenizer)
