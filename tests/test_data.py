@@ -141,6 +141,21 @@ def test_truncation_left_right_error(tmp_path, tok):
     assert "row 1 column 'prompt'" in msg and "10 tokens" in msg and "truncation" in msg
 
 
+def test_epoch_orders_are_verls_sampler(tmp_path, tok):
+    """verl's training sampler: torch's RandomSampler with a generator seeded once with data.seed, one permutation
+    per epoch from the same generator (the orders were seed + epoch reseeded: verl's from the second epoch on
+    differed); any epoch asked for in any order, and a fresh loader (a resumed run) agrees."""
+    from torch.utils.data import RandomSampler
+
+    ds = PromptDataset(arith_file(tmp_path, 20), tok, DataConfig())
+    sampler = RandomSampler(range(20), generator=torch.Generator().manual_seed(5))
+    verl = [list(sampler) for _ in range(4)]
+    loader = PromptLoader(ds, 4, seed=5)
+    assert [loader.epoch_order(e) for e in (0, 1, 2, 3)] == verl
+    assert loader.epoch_order(1) == verl[1] and loader.epoch_order(3) == verl[3]  # back, then forward again
+    assert PromptLoader(ds, 4, seed=5).epoch_order(2) == verl[2]
+
+
 def test_per_epoch_shuffle_is_deterministic(tmp_path, tok):
     ds = PromptDataset(arith_file(tmp_path, 20), tok, DataConfig())
     a, b = PromptLoader(ds, 4, seed=3), PromptLoader(ds, 4, seed=3)

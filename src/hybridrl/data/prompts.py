@@ -4,7 +4,7 @@ A row holds `data_source` (str), the prompt column (`data.prompt_key`: chat mess
 [{role, content}] or a plain string, which becomes one user message), `ability`,
 `reward_model` {style, ground_truth} and `extra_info` (dict). `PromptDataset` validates and
 tokenizes every row once (chat template, then `max_prompt_length` filtering or truncation);
-`PromptLoader` shuffles per epoch (seed + epoch), gives each DP rank a disjoint equal slice of
+`PromptLoader` shuffles per epoch (verl's order: one generator seeded once), gives each DP rank a disjoint equal slice of
 every global batch, and can resume mid-epoch from `state_dict()`. Malformed input raises one
 `DataError` naming file, row and column and the fix. This module knows nothing about models,
 rewards or torch.distributed: the caller passes dp_rank/dp_size.
@@ -232,8 +232,9 @@ def shard_bounds(n: int, dp_rank: int, dp_size: int) -> Tuple[int, int]:
 class PromptLoader:
     """Global batches of `batch_size` prompts, each DP rank yielding its own slice.
 
-    Every rank computes the same per-epoch order (seed + epoch), so slices are disjoint without
-    communication. All ranks pad to the longest prompt of the global batch, so shapes do not
+    Every rank computes the same per-epoch order, so slices are disjoint without communication: epoch e's is the
+    first of the two permutations torch's RandomSampler draws per epoch from one generator seeded once with
+    `seed` (verl's training sampler), so a run here sees verl's prompt order. All ranks pad to the longest prompt of the global batch, so shapes do not
     depend on dp_size. Iterating yields the rest of the current epoch, then moves to the next.
     """
 
@@ -251,6 +252,7 @@ class PromptLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch, self.batch_index = 0, 0
+        self._orders = (0, None, None)  # (epoch, its order, the generator's state after drawing it)
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -258,10 +260,21 @@ class PromptLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def epoch_order(self, epoch: int) -> List[int]:
+        """Dataset positions in epoch `epoch`'s order (the draws of the epochs before it replayed once)."""
         if not self.shuffle:
             return list(range(len(self.dataset)))
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+        at, order, state = self._orders
+        g = torch.Generator()
+        if order is not None and at <= epoch:
+            g.set_state(state)
+        else:
+            at, order = -1, None
+            g.manual_seed(self.seed)
+        while at < epoch:  # RandomSampler draws a second permutation per epoch for its (empty) remainder
+            order, at = torch.randperm(len(self.dataset), generator=g).tolist(), at + 1
+            torch.randperm(len(self.dataset), generator=g)
+        self._orders = (at, order, g.get_state())
+        return list(order)
 
     def global_batch(self, epoch: int, batch_index: int) -> List[int]:
         """Dataset positions of one global batch (all DP ranks together)."""
