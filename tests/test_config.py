@@ -297,3 +297,28 @@ def test_epochs_decide_the_rl_run_length_unless_steps_are_set():
     batches = [None] * 7  # what _total_steps reads of a loader: its batches per epoch
     assert _total_steps(load_config("", ["trainer.total_epochs=3"]), batches) == 21
     assert _total_steps(load_config("", ["trainer.total_epochs=3", "trainer.total_training_steps=5"]), batches) == 5
+
+
+def test_the_critic_takes_the_actors_batch_and_loss_settings_it_leaves_unset():
+    """As verl's config (critic.ppo_mini_batch_size: ${actor...} and so on): a verl PPO job that sets only the
+    actor's mini-batch size, epochs, loss aggregation or scale factor trains its critic with them too (the
+    critic kept 8 prompts, 1 epoch and token-mean of its own); a critic value set explicitly stands."""
+    from hybridrl.config import Config, CriticConfig
+    from hybridrl.config.io import load_config
+
+    actor = ["actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-sum-norm",
+             "actor.loss_scale_factor=100"]
+    critic = load_config("", actor).critic
+    assert (critic.ppo_mini_batch_size, critic.ppo_epochs, critic.loss_agg_mode, critic.loss_scale_factor) == (
+        4, 2, "seq-mean-token-sum-norm", 100)
+    own = load_config("", actor + ["critic.ppo_mini_batch_size=2", "critic.loss_agg_mode=token-mean"]).critic
+    assert (own.ppo_mini_batch_size, own.ppo_epochs, own.loss_agg_mode) == (2, 2, "token-mean")
+    assert Config(critic=CriticConfig(ppo_epochs=3)).critic.ppo_epochs == 3 and Config().critic.ppo_epochs == 1
+
+
+def test_algorithm_defaults_are_verls():
+    """A verl config that leaves adv_estimator and rollout.n unset runs PPO with one response per prompt (verl's
+    defaults), not GRPO with four."""
+    from hybridrl.config import Config
+
+    assert (Config().algorithm.adv_estimator, Config().rollout.n) == ("gae", 1)

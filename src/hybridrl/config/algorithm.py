@@ -119,8 +119,8 @@ class FilterGroupsConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    """gae (PPO with critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."""
+    adv_estimator: str = "gae"
+    """gae (PPO with critic; verl's default), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0

@@ -60,8 +60,8 @@ class MultiTurnConfig:
 class RolloutConfig:
     name: str = "native"
     """Inference engine: native (megatron-core KV cache) or vllm."""
-    n: int = 4
-    """Responses sampled per prompt."""
+    n: int = 1
+    """Responses sampled per prompt (verl's default 1; group estimators such as grpo want more)."""
     temperature: float = 1.0
     """Sampling temperature; 0 is greedy."""
     top_p: float = 1.0

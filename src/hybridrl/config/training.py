@@ -1,6 +1,7 @@
 """Sections actor, critic and ref: optimizers, losses, micro-batching and offload of the trained roles."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -132,18 +133,19 @@ class CriticConfig:
     """HF folder to initialise the critic trunk from; empty: model.path (or the same random init)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and LR schedule of the value model."""
-    ppo_mini_batch_size: int = 8
-    """Prompts per optimizer step (times rollout.n samples)."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Prompts per optimizer step (times rollout.n samples); None: actor.ppo_mini_batch_size (as verl's config)."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Samples per forward/backward on one DP rank."""
-    ppo_epochs: int = 1
-    """Passes over each rollout batch."""
+    ppo_epochs: Optional[int] = None
+    """Passes over each rollout batch; None: actor.ppo_epochs (as verl's config)."""
     cliprange_value: float = 0.5
     """Value clipping range around the old values."""
-    loss_agg_mode: str = "token-mean"
-    """How token losses become one number."""
+    loss_agg_mode: Optional[str] = None
+    """How token losses become one number; None: actor.loss_agg_mode (as verl's config)."""
     loss_scale_factor: Optional[int] = None
-    """Constant divisor of seq-mean-token-sum-norm; None: data.max_response_length."""
+    """Constant divisor of seq-mean-token-sum-norm; None: actor.loss_scale_factor (as verl's config), whose None
+    is data.max_response_length."""
     use_dynamic_bsz: Optional[bool] = None
     """Split by a token budget instead of a row count; None: as actor.use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 32768
@@ -159,12 +161,23 @@ class CriticConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Not supported for the critic (rank must stay 0): its value head is new and trains in full."""
 
+    INHERITED = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "loss_scale_factor")
+    """What the critic takes from the actor where it leaves it unset (verl's critic.* interpolations)."""
+
+    def inheriting(self, actor: "ActorConfig") -> "CriticConfig":
+        """This config with the INHERITED settings it leaves unset taken from `actor`."""
+        unset = {k: getattr(actor, k) for k in self.INHERITED if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
+
     def __post_init__(self):
         check(not self.lora.enabled, f"critic.lora.rank={self.lora.rank}: LoRA is not supported for the critic (its "
               "new value head and trunk train in full); set critic.lora.rank=0, or use a critic-free estimator (grpo)")
         check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
               "critic.tensor_model_parallel_size and critic.pipeline_model_parallel_size must be >= 1")
-        one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.loss_agg_mode is not None:
+            one_of("critic.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check(self.ppo_mini_batch_size is None or self.ppo_mini_batch_size > 0, "critic.ppo_mini_batch_size must be > 0")
+        check(self.ppo_epochs is None or self.ppo_epochs >= 1, "critic.ppo_epochs must be >= 1")
         check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "critic.loss_scale_factor must be > 0")
         check(self.ppo_max_token_len_per_gpu > 0 and (self.forward_max_token_len_per_gpu or 1) > 0,
                "critic.ppo_max_token_len_per_gpu and critic.forward_max_token_len_per_gpu must be > 0")

@@ -27,3 +27,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+
+    def __post_init__(self):
+        # the critic's unset batch and loss settings are the actor's, as verl's config interpolates them
+        object.__setattr__(self, "critic", self.critic.inheriting(self.actor))
