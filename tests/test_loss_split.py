@@ -56,7 +56,7 @@ def _update(folder, groups, batch, mode, micro):
     optim = OptimConfig(lr=1e-2, eps=1.0, clip_grad=0.0)
     acfg = ActorConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode, entropy_coeff=0.01,
                        use_kl_loss=True, kl_loss_coef=0.1, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
-    ccfg = CriticConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode)
+    ccfg = Config(critic=CriticConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode)).critic
     model, spec = model_from_hf(folder, groups)
     module = wrap_trainable(model, Config())
     actor = ActorWorker(ModelEngine(module, groups), build_optimizer(module, optim, groups, 10), acfg,

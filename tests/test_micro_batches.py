@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hybridrl.config import ActorConfig, Config, ConfigError, CriticConfig, DataConfig, RefConfig
+from hybridrl.config import ActorConfig, Config, ConfigError, CriticConfig, DataConfig, RefConfig, RolloutConfig
 from hybridrl.config.layout import derive_layout
 from hybridrl.config.batching import MicroBatching, resolve_batching
 from hybridrl.workers.micro_batches import plan_micro_batches, real_spans, scatter_rows, split_rows, token_budget_plan
@@ -135,8 +135,8 @@ def test_budget_below_one_row_is_a_config_error():
 
 
 def test_dynamic_batching_ignores_micro_batch_divisibility():
-    base = dict(data=DataConfig(train_batch_size=4), actor=ActorConfig(ppo_mini_batch_size=4,
-                                                                        ppo_micro_batch_size_per_gpu=3))
+    base = dict(data=DataConfig(train_batch_size=4), rollout=RolloutConfig(n=4),
+                actor=ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3))
     with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
         derive_layout(Config(**base), 1, vocab_size=64)
     dynamic = dict(base, actor=ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3, use_dynamic_bsz=True))

@@ -166,9 +166,9 @@ def _hybridrl(folder, rm_folder, batch):
     steps.clear()
     weights = {k: v.detach().clone() for k, v in mcore_to_hf_stream(module, spec, groups)}
 
-    ccfg = CriticConfig(optim=OptimConfig(lr=CRITIC_LR, eps=EPS, clip_grad=CLIP_GRAD, weight_decay=0.0),
-                        ppo_epochs=EPOCHS,
-                        ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=2, cliprange_value=VALUE_CLIP)
+    ccfg = Config(critic=CriticConfig(optim=OptimConfig(lr=CRITIC_LR, eps=EPS, clip_grad=CLIP_GRAD, weight_decay=0.0),
+                                      ppo_epochs=EPOCHS, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=2,
+                                      cliprange_value=VALUE_CLIP)).critic
     cmodel, cspec, _ = critic_from_hf(rm_folder, groups)
     cmodule = wrap_trainable(cmodel, Config(critic=ccfg))
     critic = CriticWorker(ModelEngine(cmodule, groups), build_optimizer(cmodule, ccfg.optim, groups, 10), ccfg, R)

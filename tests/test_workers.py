@@ -161,7 +161,7 @@ def _worker_factories(folder, groups, agg_mode):
     # the gradients, so fp32 round-off in them stays round-off in the parameters.
     optim = OptimConfig(lr=1e-2, eps=1e-3)
     acfg = ActorConfig(optim=optim, loss_agg_mode=agg_mode)
-    ccfg = CriticConfig(optim=optim, loss_agg_mode=agg_mode)
+    ccfg = Config(critic=CriticConfig(optim=optim, loss_agg_mode=agg_mode)).critic
     cfg = Config(actor=acfg, critic=ccfg)
 
     def actor(coeff=0.0):
