@@ -317,8 +317,8 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
             tool_calls.append(metrics["rollout/tool_calls/mean"])
         saver.poll()
         reason = stops.agreed(groups.device)
-        if reason and step == total:  # the run is complete: nothing to resume, no requeue
-            print0(f"stop requested at the last step {step} ({reason}): the run ends as planned")
+        at_the_end = reason if reason and step == total else ""  # the run is complete: nothing to resume, no requeue
+        if at_the_end:
             stops.served()
             reason = ""
         console = validated or step % tc.log_freq == 0 or step == total
@@ -333,6 +333,8 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
                 raise
             _count_save(metrics, time.perf_counter() - saving)
         log()
+        if at_the_end:
+            print0(f"stop requested at the last step {step} ({at_the_end}): the run ends as planned")
         _log_late(writer, trainer.late_metrics, profile_steps)
         if profile:
             print0(_profile_line(step, metrics))
