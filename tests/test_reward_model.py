@@ -181,6 +181,19 @@ def test_reencoder_keeps_the_end_of_long_conversations():
     assert out["input_ids"].shape == (2, 5) and out["attention_mask"][0].tolist() == [1, 1, 1, 1, 1]
 
 
+def test_no_reencoder_for_the_runs_own_tokenizer():
+    """reward_model.tokenizer naming the tokenizer the run already uses (data.tokenizer as given, or what an unset one
+    resolves to) reads the actor's ids: no second tokenizer, no re-encoding (with data.tokenizer unset, an explicit
+    builtin:tiny was taken for another tokenizer); a different one re-encodes."""
+    from hybridrl.config.io import load_config
+    from hybridrl.workers.reward_model import build_reencoder
+
+    for same in (["reward_model.tokenizer=builtin:tiny"],
+                 ["reward_model.tokenizer=builtin:tiny", "data.tokenizer=builtin:tiny"], []):
+        assert build_reencoder(load_config("", same), 0) is None, same
+    assert build_reencoder(load_config("", ["reward_model.tokenizer=builtin:tiny_tools"]), 0) is not None
+
+
 def test_combine_scores():
     from hybridrl.rewards import RewardError, combine_scores
 

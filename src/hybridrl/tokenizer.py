@@ -263,6 +263,11 @@ def tokenizer_source(spec: str, model_path: str) -> str:
     return TINY_SPEC
 
 
+def load_data_tokenizer(data, model_path: str) -> Tokenizer:
+    """The run's tokenizer from its data section (data.tokenizer, data.apply_chat_template_kwargs) and model.path."""
+    return load_tokenizer(tokenizer_source(data.tokenizer, model_path), model_path, data.apply_chat_template_kwargs)
+
+
 def load_tokenizer(spec: str, model_folder: str = "", template_kwargs: Dict[str, Any] | None = None) -> Tokenizer:
     """An HF tokenizer folder, a SentencePiece `.model` file, `builtin:tiny` or `builtin:tiny_tools`;
     the stop ids of generation_config.json in the tokenizer folder and in `model_folder` join

@@ -153,13 +153,12 @@ def _setup(cfg: Config):
     from hybridrl.config.layout import expert_parallel_size, model_dims, model_parallel_sizes
     from hybridrl.log import setup_logging
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
-    from hybridrl.tokenizer import load_tokenizer, tokenizer_source
+    from hybridrl.tokenizer import load_data_tokenizer
 
     setup_logging()
     le = init_distributed()
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
-                               cfg.data.apply_chat_template_kwargs)
+    tokenizer = load_data_tokenizer(cfg.data, cfg.model.path)
     dims = model_dims(cfg.model, tokenizer.vocab_size)
     tp, pp, dp = model_parallel_sizes(cfg, le.world_size, dims)
     groups = init_model_parallel(tp, pp, seed=cfg.trainer.seed, ep=expert_parallel_size(cfg, dims, tp, dp),

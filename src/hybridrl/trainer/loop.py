@@ -122,13 +122,12 @@ def setup_run(cfg: Config):
     from hybridrl.data.synthetic import ensure_synthetic_data
     from hybridrl.config.layout import derive_layout
     from hybridrl.parallel.distributed import init_distributed, init_model_parallel
-    from hybridrl.tokenizer import load_tokenizer, tokenizer_source
+    from hybridrl.tokenizer import load_data_tokenizer
 
     setup_logging()
     le = init_distributed(cfg.trainer.dist_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
-                               cfg.data.apply_chat_template_kwargs)
+    tokenizer = load_data_tokenizer(cfg.data, cfg.model.path)
     layout = derive_layout(cfg, le.world_size, tokenizer.vocab_size)
     groups = init_model_parallel(layout.tp, layout.pp, seed=cfg.trainer.seed, ep=layout.ep, cp=layout.cp)
     if le.rank == 0:

@@ -218,7 +218,7 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
     from hybridrl.placement.reshard import new_rollout_groups
     from hybridrl.rollout.agent_loop import AgentLoop
     from hybridrl.timeline import Timeline
-    from hybridrl.tokenizer import load_tokenizer, tokenizer_source
+    from hybridrl.tokenizer import load_data_tokenizer
     from hybridrl.trainer.roles import build_rollout
 
     trainers = world.ranks_of("train")
@@ -226,8 +226,7 @@ def serve_rollout(cfg: Config, world: SplitWorld) -> int:
         control = control_bridge(world)
         hello = control.broadcast_object(None, SENDER)
         receiver = WeightReceiver(weights_bridges(world, hello["streams"]), cfg.rollout.verify_weights)
-    tokenizer = load_tokenizer(tokenizer_source(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
-                               cfg.data.apply_chat_template_kwargs)
+    tokenizer = load_data_tokenizer(cfg.data, cfg.model.path)
     groups = new_rollout_groups(cfg.rollout.tensor_model_parallel_size)
     spec = spec_from_dict(hello["spec"])
     engine = build_rollout(cfg, spec, groups, tokenizer)

@@ -54,11 +54,11 @@ class ChatReencoder:
 
 def build_reencoder(cfg, pad_token_id: Optional[int]) -> Optional[ChatReencoder]:
     """The re-encoder for reward_model.tokenizer; None when the reward model reads the actor's ids
-    (reward_model.tokenizer empty or equal to data.tokenizer). Pads with the RM's pad_token_id."""
-    from hybridrl.tokenizer import TokenizerError, load_tokenizer
+    (reward_model.tokenizer empty or the one the run's data.tokenizer resolves to). Pads with the RM's pad_token_id."""
+    from hybridrl.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
     rm = cfg.reward_model
-    if rm.tokenizer in ("", cfg.data.tokenizer):
+    if rm.tokenizer in ("", tokenizer_source(cfg.data.tokenizer, cfg.model.path)):
         return None
     try:
         tokenizer = load_tokenizer(rm.tokenizer)
