@@ -69,15 +69,14 @@ def get_reward_fn(data_source: str, gsm8k_method: str = "strict", shaped: bool =
 
 def builtin_extras(data_source: str, response: str, ground_truth: Any,
                    gsm8k_method: str = "strict") -> Dict[str, Any]:
-    """Per-response values beside the built-in score: "pred" ("" when no answer), "acc" for arith and DAPO math."""
+    """Per-response values beside the built-in score: "pred" ("" when no answer), "acc" for arith (DAPO math returns
+    its own dict, `RewardManager._raw_score`)."""
     kind = builtin_kind(data_source)
     if kind == "gsm8k":
         return {"pred": gsm8k.extract_solution(response, gsm8k_method) or ""}
     if kind == "math":
         boxed = math.last_boxed_only_string(response)
         return {"pred": math.normalize(math.remove_boxed(boxed)) if boxed else ""}
-    if kind == "math_dapo":
-        return math_dapo.compute_score(response, ground_truth)  # its "score" too, as verl's managers keep it
     if kind == "arith":
         return {"pred": arith.prediction(response), "acc": float(arith.is_correct(response, ground_truth))}
     return {}
@@ -129,6 +128,8 @@ class RewardManager:
         if self.custom_fn is not None:  # copies: a function that edits them must not edit the dataset's rows
             return self.custom_fn(data_source=data_source, solution_str=response,
                                   ground_truth=copy.deepcopy(ground_truth), extra_info=copy.deepcopy(extra_info))
+        if builtin_kind(data_source) == "math_dapo":  # verl's scorer returns its dict: kept whole, scored once
+            return math_dapo.compute_score(response, ground_truth)
         score = get_reward_fn(data_source, self.cfg.gsm8k_method)(response, ground_truth)
         return _Builtin(score, builtin_extras(data_source, response, ground_truth, self.cfg.gsm8k_method))
 

@@ -66,9 +66,15 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
         history.append(finish_step(engine, optimizer, stats, role, apply, advance=False))
     metrics = mean_of(history)
     if apply:  # the LR schedule moves once per training step, whatever the number of optimizer steps
-        optimizer.advance_schedule()
-        metrics[f"{role}/lr"] = optimizer.current_lr()  # verl 0.9.1 logs it after the scheduler step
+        _advance(optimizer, metrics, role)
     return metrics, rows_per_step
+
+
+def _advance(optimizer, metrics: dict, role: str) -> None:
+    """The LR schedule moves on one training step; `<role>/lr` is then the LR after the move (the next update's),
+    which is what verl 0.9.1 logs."""
+    optimizer.advance_schedule()
+    metrics[f"{role}/lr"] = optimizer.current_lr()
 
 
 def check_one_step(what: str, fix: str, ppo_epochs: int, rows: int, mini_batch_rows: int) -> None:
@@ -105,6 +111,5 @@ def finish_step(engine: ModelEngine, optimizer, stats: List[dict], role: str, ap
         metrics[f"{role}/grad_norm"] = grad_norm
     metrics[f"{role}/lr"] = lr
     if advance:
-        optimizer.advance_schedule()
-        metrics[f"{role}/lr"] = optimizer.current_lr()  # as verl 0.9.1: the LR after the scheduler step
+        _advance(optimizer, metrics, role)
     return metrics
