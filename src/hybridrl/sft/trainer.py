@@ -174,7 +174,7 @@ def sft_steps(sft, batches_per_epoch: int) -> int:
 def run_sft(cfg: Config) -> int:
     from hybridrl.checkpoint import CheckpointManager, CheckpointWriter, choose_checkpoint
     from hybridrl.trainer.loop import open_writer
-    from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
+    from hybridrl.trainer.preemption import STOP_FILE, StopRequests, deadline, saves_at
 
     sc = cfg.sft
     le, tokenizer, groups, loader = _setup(cfg)
@@ -198,17 +198,13 @@ def run_sft(cfg: Config) -> int:
         if val is not None and (step == total or (sc.test_freq and step % sc.test_freq == 0)):
             metrics.update(trainer.validate(val.one_pass()))
         writer.log(metrics, step, ("sft/loss", "sft/grad_norm", "sft/lr", "val/loss"))
-        reason = stops.agreed(groups.device)
-        if reason and step == total:
-            print0(f"stop requested at the last step {step} ({reason}): the run ends as planned")
-            stops.served()
-            reason = ""
-        if (sc.save_freq and (step % sc.save_freq == 0 or step == total)) or reason:
+        reason, at_the_end = stops.at_step_end(step, total, groups.device)
+        if at_the_end:
+            stops.ended_as_planned(step, at_the_end)
+        if saves_at(step, total, sc.save_freq, reason):
             trainer.save_checkpoint(saver, step)
         if reason:
-            print0(f"saved on signal at step {step} ({reason}): {ckpt.latest()}; the same command resumes it")
-            stops.mark_stopped(step, reason)
-            code = EXIT_PREEMPTED
+            code = stops.stopped(step, reason, ckpt.latest())
             break
     stops.restore()
     if losses:

@@ -287,7 +287,7 @@ def _naming_dead_ranks(watchdog):
 def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, ckpt, saver, watchdog, start, total,
            writer, remote, profile, val_history) -> int:
     """The training steps from `start` + 1, checkpoints and stop requests included; the closing trends."""
-    from hybridrl.trainer.preemption import EXIT_PREEMPTED, STOP_FILE, StopRequests, deadline
+    from hybridrl.trainer.preemption import STOP_FILE, StopRequests, deadline, saves_at
 
     tc = cfg.trainer
     stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
@@ -315,14 +315,10 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
         if "rollout/tool_calls/mean" in metrics:
             tool_calls.append(metrics["rollout/tool_calls/mean"])
         saver.poll()
-        reason = stops.agreed(groups.device)
-        at_the_end = reason if reason and step == total else ""  # the run is complete: nothing to resume, no requeue
-        if at_the_end:
-            stops.served()
-            reason = ""
+        reason, at_the_end = stops.at_step_end(step, total, groups.device)  # at the end: nothing to resume, no requeue
         console = validated or step % tc.log_freq == 0 or step == total
         log = lambda: writer.log(metrics, step, CONSOLE_KEYS + tuple(_val_core(metrics)), console=console)  # noqa: E731
-        if (tc.save_freq > 0 and (step % tc.save_freq == 0 or step == total)) or reason:
+        if saves_at(step, total, tc.save_freq, reason):
             saving = time.perf_counter()
             trainer.hybrid.enter("checkpoint")  # offloaded optimizer state back on the device to be saved
             try:
@@ -333,7 +329,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
             _count_save(metrics, time.perf_counter() - saving)
         log()
         if at_the_end:
-            print0(f"stop requested at the last step {step} ({at_the_end}): the run ends as planned")
+            stops.ended_as_planned(step, at_the_end)
         _log_late(writer, trainer.late_metrics, profile_steps)
         if profile:
             print0(_profile_line(step, metrics))
@@ -341,9 +337,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
         bar.update(1)
         if reason:
             saver.finalize()
-            print0(f"saved on signal at step {step} ({reason}): {ckpt.latest()}; the same command resumes it")
-            stops.mark_stopped(step, reason)
-            code = EXIT_PREEMPTED
+            code = stops.stopped(step, reason, ckpt.latest())
             break
     saver.finalize()
     bar.close()

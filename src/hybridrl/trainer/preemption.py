@@ -20,12 +20,18 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.checkpoint.folders import META
+from hybridrl.log import print0
 
 EXIT_PREEMPTED = 75
 """Exit code of a run that saved and stopped early (BSD's EX_TEMPFAIL: try again later)."""
 STOP_FILE = "STOP"
 STOPPED_FILE = "STOPPED"
 """Left beside the stop file by a run that saved and stopped early: "step K (reason)"."""
+
+
+def saves_at(step: int, total: int, save_freq: int, stopping: str) -> bool:
+    """Whether a run checkpoints after `step`: every save_freq steps and at its last (save_freq > 0), or to stop."""
+    return bool(stopping) or (save_freq > 0 and (step % save_freq == 0 or step == total))
 
 
 def parse_runtime(text: str) -> float:
@@ -105,6 +111,25 @@ class StopRequests:
         box = [mine]
         dist.broadcast_object_list(box, src=int(flag.item()))
         return box[0]
+
+    def at_step_end(self, step: int, total: int, device) -> tuple[str, str]:
+        """(the reason to save and stop now, or ""; the reason met at the run's last step, or "": that run ends as
+        planned, its stop file served). Collective over the trainer ranks (`agreed`)."""
+        reason = self.agreed(device)
+        if reason and step == total:
+            self.served()
+            return "", reason
+        return reason, ""
+
+    @staticmethod
+    def ended_as_planned(step: int, reason: str) -> None:
+        print0(f"stop requested at the last step {step} ({reason}): the run ends as planned")
+
+    def stopped(self, step: int, reason: str, checkpoint: str | None) -> int:
+        """After the save a stop asked for: say so, leave STOPPED; the exit code (EXIT_PREEMPTED)."""
+        print0(f"saved on signal at step {step} ({reason}): {checkpoint}; the same command resumes it")
+        self.mark_stopped(step, reason)
+        return EXIT_PREEMPTED
 
     def clear_stop_file(self, latest_checkpoint: str | None) -> None:
         """A resumed run must not stop again on the file that stopped its predecessor: a stop file older than
