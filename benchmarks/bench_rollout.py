@@ -355,7 +355,7 @@ def report(res: dict, rounds: int, device: str, threads: int) -> tuple:
             f"Median tokens/s over {rounds} rotating rounds, {PROMPT_LEN}-token prompts, device {device}, "
             f"{threads} threads, fp32. fixed: exactly 32 new tokens; varied: up to 64, 16 stop ids "
             f"(rows stop at 1-64 tokens; `tokens` = generated tokens of the call). lean = the default "
-            f"path (own KV cache, SDPA with GQA, continuous batching); megatron-static = the engine's "
+            f"path (own KV cache, GQA attention without repeated K/V, continuous batching); megatron-static = the engine's "
             f"megatron forward with StaticInferenceContext (the previous default); HF = `generate` with its "
             f"default dynamic cache; HF static = `generate(cache_implementation=\"static\")` ({compiled}).\n\n"
             + speed + "\n\n" + verdicts + "\n\n"

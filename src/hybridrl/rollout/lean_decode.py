@@ -5,9 +5,10 @@ key, repeating K/V over the query heads, copying through its cache wrappers, log
 position. Here, per generate call, one zeroed KV cache `[layers, 2, slots, kv_groups, length, dim]`
 and the rotary cos/sin of positions [0, length) are made once (`DecodeCache`); per layer and step:
 RMSNorm, the fused column-parallel QKV, rotary on the new query and key only, the key and value
-written in place at each row's own position, SDPA with `enable_gqa=True` on the unrepeated cache,
-the row-parallel output projection and one all-reduce, RMSNorm, fused gate/up, down projection and
-one all-reduce. Logits are computed for the last position only and gathered over rollout TP.
+written in place at each row's own position, attention on the unrepeated cache (SDPA with
+`enable_gqa=True` in prefill, three batched matmul-class calls per step in decode), the row-parallel
+output projection and one all-reduce (at TP 1 the residual add rides in the projection's addmm),
+RMSNorm, fused gate/up, down projection and one all-reduce. Logits are computed for the last position only and gathered over rollout TP.
 Qwen3's per-head q/k RMSNorm runs between the projection and the rotary embedding. An MoE layer
 (expert parallel size 1: every expert local) routes as megatron's TopKRouter does (fp32 logits,
 softmax then top-k, or top-k then softmax over the k) and runs each expert only on the tokens routed
@@ -228,12 +229,19 @@ class LeanGPT:
 
     def _finish_layer(self, w: LayerWeights, x, attn, routes: list | None = None):
         """x + proj(attn), then the MLP half; one all-reduce per half (row-parallel partial sums)."""
-        x = x.add_(all_reduce_(_matmul(attn, w.proj), self.tp_group, self.tp))
+        x = self._residual(x, attn, w.proj)
         h = self._norm(x, w.mlp_norm)
         if w.moe is not None:
             return x.add_(all_reduce_(self._experts(w.moe, h, routes), self.tp_group, self.tp))
         gate, up = _matmul(h, w.fc1).chunk(2, dim=-1)
-        return x.add_(all_reduce_(_matmul(F.silu(gate).mul_(up), w.fc2), self.tp_group, self.tp))
+        return self._residual(x, F.silu(gate).mul_(up), w.fc2)
+
+    def _residual(self, x, a, weight_t):
+        """x + a @ weight_t: one addmm at TP 1 (no separate add over the hidden states); at TP > 1 the
+        row-parallel partial product is all-reduced before the add."""
+        if self.tp == 1:
+            return torch.addmm(x.view(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), weight_t).view_as(x)
+        return x.add_(all_reduce_(_matmul(a, weight_t), self.tp_group, self.tp))
 
     def _experts(self, m: MoEWeights, h, routes: list | None):
         """This rank's partial sum of sum_k prob_k * expert_k(h) for h [*lead, H] (before the all-reduce)."""
@@ -298,18 +306,33 @@ class LeanGPT:
         x = self.embed(tokens)
         cos, sin = cache.cos[pos][:, None, None], cache.sin[pos][:, None, None]
         write = cache.write_rows(pos)
+        pairs = n * self.groups_per_rank  # (row, K/V group) pairs, each one attention problem
         mask = None
-        if masked:
-            mask = torch.zeros(n, length, dtype=self.dtype, device=tokens.device)
-            mask = mask.masked_fill_(cache.positions[:length] > pos[:, None], float("-inf"))[:, None, None]
+        if masked:  # [pairs, 1, length]: -inf at each row's keys beyond its position
+            mask = torch.zeros(n, 1, length, dtype=self.dtype, device=tokens.device)
+            mask = mask.masked_fill_(cache.positions[:length] > pos[:, None, None], float("-inf"))
+            mask = mask.repeat_interleave(self.groups_per_rank, dim=0)
         for i, w in enumerate(self.layers):
             q, key, value = self._qkv(w, x, cos, sin)
             cache.key_rows[i].index_copy_(0, write, key.reshape(-1, self.dim))
             cache.value_rows[i].index_copy_(0, write, value.reshape(-1, self.dim))
-            # the `rep` query heads of a K/V group as `rep` query rows against that group's keys: plain
-            # attention over [n, groups], no repeated K/V and no GQA head mapping (half the time of
-            # enable_gqa with one query row per head at batch 8-32 on CPU)
-            attn = F.scaled_dot_product_attention(
-                q, cache.keys[i][:n, :, :length], cache.values[i][:n, :, :length], attn_mask=mask, scale=self.scale)
-            x = self._finish_layer(w, x, attn.reshape(n, self.heads * self.dim), routes)
+            x = self._finish_layer(w, x, self._attend(q, cache.keys[i], cache.values[i], pairs, length, mask), routes)
         return self.logits(x)
+
+    def _attend(self, q, keys, values, pairs: int, length: int, mask):
+        """One query token per row: the `rep` query heads of a K/V group as `rep` query rows against that
+        group's cached keys [0, length) (no repeated K/V, no GQA head mapping). q [n, groups, rep, D] ->
+        [n, heads * D]. On CPU three batched calls over the (row, group) pairs: scores (scaled, mask added,
+        one baddbmm), softmax (fp32), times the values: at batch 8-32 SDPA's flash kernel spends more on
+        its blocking than on one query row per head (about a tenth of a decode step). CUDA keeps SDPA."""
+        n, d = pairs // self.groups_per_rank, self.dim
+        k, v = keys[:n, :, :length], values[:n, :, :length]
+        if self.device.type != "cpu":
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.view(n, -1, 1, length),
+                                                  scale=self.scale)
+            return attn.reshape(n, self.heads * d)
+        k, v, q = k.reshape(pairs, length, d), v.reshape(pairs, length, d), q.reshape(pairs, self.rep, d)
+        scores = (torch.bmm(q, k.transpose(1, 2)).mul_(self.scale) if mask is None
+                  else torch.baddbmm(mask, q, k.transpose(1, 2), alpha=self.scale))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        return torch.bmm(probs, v).view(n, self.heads * d)
