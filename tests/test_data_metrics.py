@@ -53,3 +53,20 @@ def test_prompt_clip_ratio_is_the_share_of_prompts_at_the_limit():
     out = batch_metrics(scores, token_rewards_from_scores(scores, mask), mask, mask, mask, 2, prompts,
                         max_prompt_length=4)
     assert out["prompt_length/clip_ratio"] == pytest.approx(2 / 3) and out["prompt_length/max"] == 4
+
+
+def test_an_empty_response_is_aborted_as_verl_counts_it():
+    """verl 0.9.1 compute_data_metrics: rows of response length 0 leave score and reward statistics, are the
+    aborted ratio, and response_length_non_aborted/* describe the others (hand values)."""
+    scores = torch.tensor([1.0, -1.0, 0.5, 7.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # row 3 empty
+    token_rewards = token_rewards_from_scores(scores, mask)
+    out = batch_metrics(scores, token_rewards, mask, mask, mask, 3)
+    assert (out["critic/score/mean"], out["critic/score/max"], out["critic/score/min"]) == pytest.approx((0.5 / 3, 1.0, -1.0))
+    assert out["critic/rewards/max"] == 1.0  # the empty row's 7.0 is not a reward anyone earned
+    assert out["response/aborted_ratio"] == 0.25
+    assert (out["response_length_non_aborted/mean"], out["response_length_non_aborted/min"]) == (2.0, 1.0)
+    assert out["response_length_non_aborted/clip_ratio"] == pytest.approx(1 / 3)
+    assert (out["response_length/mean"], out["response_length/min"]) == (1.5, 0.0)  # every row, as verl
+    none = batch_metrics(scores[3:], token_rewards[3:], mask[3:], mask[3:], mask[3:], 3)
+    assert np.isnan(none["critic/score/mean"]) and none["response/aborted_ratio"] == 1.0

@@ -86,6 +86,13 @@ def _stats(prefix: str, x: torch.Tensor) -> Dict[str, float]:
     return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
 
 
+def _stats_or_nan(prefix: str, x: torch.Tensor) -> Dict[str, float]:
+    """_stats, or NaN for each where x is empty (as verl when every response was aborted)."""
+    if x.numel() == 0:
+        return {f"{prefix}/{k}": float("nan") for k in ("mean", "max", "min")}
+    return _stats(prefix, x)
+
+
 def _masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> Dict[str, float]:
     valid = x[mask.bool()].float()
     if valid.numel() == 0:
@@ -97,18 +104,21 @@ def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max
                   prompt_mask=None, values=None, rm_scores=None,
                   response_attention_mask=None, max_prompt_length=None) -> Dict[str, float]:
     """verl's data metrics: critic/score, rewards, advantages, returns, values, response_length, and
-    critic/rm_score when a reward model scored the batch.
+    critic/rm_score when a reward model scored the batch. As verl, a row with an empty response is aborted:
+    score and reward statistics leave it out (NaN if every row is), response/aborted_ratio counts it, and
+    response_length_non_aborted/* are the lengths of the others.
 
     Lengths count every real response token (tool output included, as verl), the rest the loss mask."""
     real = response_mask if response_attention_mask is None else response_attention_mask
     lengths = real.sum(-1).float()
+    kept = lengths > 0  # verl's aborted rows: an empty response, left out of the score and reward statistics
     out = {}
-    out.update(_stats("critic/score", scores))
+    out.update(_stats_or_nan("critic/score", scores[kept]))
     if rm_scores is not None:
         out.update(_stats("critic/rm_score", rm_scores))
     # as verl: each row's summed token rewards, unmasked (they are zero past the response already), so a row or
     # token that rejection sampling left out of the loss keeps its reward here
-    out.update(_stats("critic/rewards", token_rewards.sum(-1)))
+    out.update(_stats_or_nan("critic/rewards", token_rewards.sum(-1)[kept]))
     out.update(_masked_stats("critic/advantages", advantages, response_mask))
     out.update(_masked_stats("critic/returns", returns, response_mask))
     if values is not None:
@@ -116,6 +126,10 @@ def batch_metrics(scores, token_rewards, advantages, returns, response_mask, max
         out.update(_explained_variance(returns, values, response_mask))
     out.update(_stats("response_length", lengths))
     out["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
+    out.update(_stats_or_nan("response_length_non_aborted", lengths[kept]))
+    out["response_length_non_aborted/clip_ratio"] = (
+        (lengths[kept] >= max_response_length).float().mean().item() if kept.any() else float("nan"))
+    out["response/aborted_ratio"] = 1.0 - kept.float().mean().item()
     if prompt_mask is not None:
         prompt_lengths = prompt_mask.sum(-1).float()
         out.update(_stats("prompt_length", prompt_lengths))
