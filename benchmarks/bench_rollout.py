@@ -205,11 +205,21 @@ def _lean_parts(run, device: str) -> dict:
         timed("gemm_again", matmul, *args)
         return out
 
-    ld._matmul, F.scaled_dot_product_attention = gemm, lambda *a, **k: timed("attention", sdpa, *a, **k)
+    attend = ld.LeanGPT._attend  # decode's attention (prefill's is SDPA; on CUDA decode's is too)
+    timed_sdpa = lambda *a, **k: timed("attention", sdpa, *a, **k)  # noqa: E731
+
+    def timed_attend(self, *args):  # timed once, not again through the SDPA it may call
+        F.scaled_dot_product_attention = sdpa
+        try:
+            return timed("attention", attend, self, *args)
+        finally:
+            F.scaled_dot_product_attention = timed_sdpa
+
+    ld._matmul, F.scaled_dot_product_attention, ld.LeanGPT._attend = gemm, timed_sdpa, timed_attend
     try:
         parts["total"] = bl.timed(run)[0]
     finally:
-        ld._matmul, F.scaled_dot_product_attention = matmul, sdpa
+        ld._matmul, F.scaled_dot_product_attention, ld.LeanGPT._attend = matmul, sdpa, attend
     parts["total"] -= parts["gemm_again"]
     return parts
 
