@@ -15,7 +15,8 @@ import torch
 from hybridrl import algos
 from hybridrl.config import MultiTurnConfig
 from hybridrl.data.tool_demos import tool_call_text
-from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
+from hybridrl.rollout.agent_loop import (AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums,
+                                        verl_num_turns)
 from hybridrl.rollout.base import SamplingParams, expand_requests, pack_output
 from hybridrl.trainer.step_batch import assemble
 from hybridrl.tokenizer import TINY_TOOLS_SPEC, load_tokenizer
@@ -205,6 +206,57 @@ def test_batch_masks_and_turn_metrics():
     for key, counts in (("num_turns", out.num_turns), ("tool_calls", out.tool_calls), ("tool_errors", out.tool_errors)):
         assert metrics[f"rollout/{key}/mean"] == pytest.approx(counts.double().mean().item())
     assert turn_sums({"responses": batch["responses"]}) == {} and turn_metrics({}) == {}
+
+
+def test_reward_functions_get_verls_turn_count_in_extra_info(tmp_path):
+    """verl's reward managers set extra_info["num_turns"] to the agent loop's __num_turns__ (prompt + model turns
+    + tool-result rounds; 2 for one turn) and extra_info["rollout_reward_scores"]; a user's function sees both
+    here too, beside the dataset's own keys (by hand: answer at once 2, call then answer 4, two parallel calls
+    in one round then answer 4, call, call, answer 6)."""
+    from types import SimpleNamespace
+
+    from hybridrl.config import RewardConfig
+    from hybridrl.config.reward import CustomRewardConfig
+    from hybridrl.rewards.registry import RewardManager
+    from hybridrl.trainer.ppo import PPOTrainer
+
+    scripts = {"1+1=": ["2"], "2*3=": [tool_call_text("2*3"), "6"],
+               "4*5=": [tool_call_text("4*5") + tool_call_text("5*4"), "20"],
+               "6*7=": [tool_call_text("6*7"), tool_call_text("7*6"), "42"]}
+
+    def reply(context, seed):
+        prompt = next(p for p in scripts if p in context)
+        rounds = context.count("<tool_response>") if prompt != "4*5=" else min(1, context.count("<tool_response>"))
+        return scripts[prompt][min(rounds, len(scripts[prompt]) - 1)], True
+
+    loop, engine = _loop(reply, max_turns=4, max_parallel_calls=2)
+    prompts = [TOK.encode(p) for p in scripts]
+    out = loop.generate(engine, prompts, SamplingParams(max_new_tokens=500))
+    assert out.num_turns.tolist() == [1, 2, 2, 3] and out.tool_calls.tolist() == [0, 1, 2, 2]
+    R, P = 512, max(map(len, prompts))
+    pad = lambda t: torch.cat([t, t.new_zeros(t.shape[0], R - t.shape[1])], dim=1)  # noqa: E731
+    prompt_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    fields = trajectory_fields(out, R, "cpu")
+    batch = assemble(prompt_ids, (prompt_ids != 0).float(), pad(out.responses), pad(out.response_mask), 1,
+                     response_attention_mask=fields.pop("attention_mask"))
+    batch.update(fields)
+    assert verl_num_turns(batch, batch["attention_mask"][:, P:]) == [2, 4, 4, 6]
+    single = {"response_mask": batch["response_mask"]}
+    assert verl_num_turns(single, batch["attention_mask"][:, P:]) == [2, 2, 2, 2]
+
+    (tmp_path / "seen.py").write_text("SEEN = []\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                      "    SEEN.append(extra_info)\n    return 1.0\n")
+    manager = RewardManager(RewardConfig(custom_function=CustomRewardConfig(path=str(tmp_path / "seen.py"), name="score")))
+    cfg = SimpleNamespace(reward_model=SimpleNamespace(combine="replace"),
+                          reward=SimpleNamespace(overlong_buffer=SimpleNamespace(enable=False)))
+    trainer = SimpleNamespace(tok=TOK, roles=SimpleNamespace(reward_model=None), cfg=cfg, reward_fn=manager,
+                              groups=SimpleNamespace(device=torch.device("cpu")))
+    rows = SimpleNamespace(data_source=["tools"] * 4, ground_truth=["2", "6", "20", "42"],
+                           extra_info=[{"index": i} for i in range(4)])
+    PPOTrainer.score_details(trainer, batch, rows, 1)
+    seen = manager.custom_fn.__globals__["SEEN"]
+    assert seen == [{"index": i, "num_turns": t, "rollout_reward_scores": {}} for i, t in enumerate([2, 4, 4, 6])]
+    assert rows.extra_info == [{"index": i} for i in range(4)]  # the dataset's rows are left as they were
 
 
 # ---- GAE across tool output: against verl 0.9.1's compute_gae_advantage_return -------------------

@@ -170,6 +170,20 @@ def turn_sums(batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return {"trajectories": float(batch["num_turns"].numel()), **{k: batch[k].sum().item() for k in TURN_KEYS}}
 
 
+def verl_num_turns(batch: Dict[str, torch.Tensor], real: torch.Tensor) -> List[int]:
+    """verl's `__num_turns__` of each response, what its reward managers put in extra_info["num_turns"]: the
+    prompt, the model turns and the tool-result turns (one per round of results, however many calls), so 2
+    for a single-turn response. Tool rounds are read from the masks: runs of real (attention) tokens that
+    are not the model's (response_mask 0), as generated."""
+    rows = real.shape[0]
+    if "num_turns" not in batch:
+        return [2] * rows
+    tool = real.bool() & ~batch["response_mask"].cpu().bool()
+    starts = tool.clone()
+    starts[:, 1:] &= ~tool[:, :-1]
+    return (1 + batch["num_turns"].cpu().long() + starts.sum(-1)).tolist()
+
+
 def turn_metrics(sums: Dict[str, float]) -> Dict[str, float]:
     """rollout/num_turns/mean, rollout/tool_calls/mean, rollout/tool_errors/mean from DP-summed counters."""
     if "trajectories" not in sums:

@@ -25,7 +25,8 @@ from hybridrl.placement.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rewards.overlong import overlong_penalty
 from hybridrl.rewards.registry import combine_scores
-from hybridrl.rollout.agent_loop import AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums
+from hybridrl.rollout.agent_loop import (AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums,
+                                        verl_num_turns)
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.timeline import Timeline
 from hybridrl.trainer.rollout_correction import check_rollout_correction, correct_rollout
@@ -297,8 +298,11 @@ class PPOTrainer:
         rm, combine = (self.roles.reward_model if use_reward_model else None), self.cfg.reward_model.combine
         rule, infos = None, {}
         if rm is None or combine == "add":
-            rule, infos = self.reward_fn.score_batch(answers, rep(prompts.data_source), rep(prompts.ground_truth),
-                                                     rep(prompts.extra_info))
+            # as verl's reward managers: each response's extra_info gets its trajectory's turn count (verl's
+            # count) and the engine's own scores (none here)
+            extra = [{**info, "num_turns": turns, "rollout_reward_scores": {}}
+                     for info, turns in zip(rep(prompts.extra_info), verl_num_turns(batch, real))]
+            rule, infos = self.reward_fn.score_batch(answers, rep(prompts.data_source), rep(prompts.ground_truth), extra)
             rule = _finite(rule, "reward function").to(self.groups.device, torch.float32)
         raw = rule
         if rm is not None:
