@@ -152,3 +152,24 @@ def test_packed_token_budget_counts_real_tokens_hand_example():
     assert plan_micro_batches(batch, MicroBatching(1, 18, packed=True)) == [[0, 3, 4], [1, 2]]
     assert token_budget_plan(p, r, 14, packed=True) == [[0], [1], [2, 3, 4]]  # 15 > 14: three parts
     assert len(plan_micro_batches(batch, MicroBatching(1, 18))) == 3
+
+
+def test_token_budget_is_per_gpu_under_context_parallelism():
+    """verl's Megatron engine: a micro-batch holds max_token_len_per_gpu x context_parallel_size tokens of whole
+    rows (each GPU computes 1/cp of them), and a row may be up to that long. 4096-token rows at CP 4 fit a
+    per-GPU budget of 1024 (refused before: "below one full row"); 1000 is refused and the message says 1024."""
+    from hybridrl.config import ParallelConfig
+
+    def cfg(budget, cp):
+        return Config(actor=ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget,
+                                        log_prob_max_token_len_per_gpu=budget),
+                      critic=CriticConfig(ppo_max_token_len_per_gpu=budget),
+                      data=DataConfig(max_prompt_length=1024, max_response_length=3072),
+                      parallel=ParallelConfig(context_parallel_size=cp))
+    b = resolve_batching(cfg(1024, 4))
+    assert {m.max_tokens for m in (b.actor_update, b.actor_log_prob, b.ref_log_prob, b.critic_update,
+                                   b.critic_values)} == {4096}
+    assert resolve_batching(cfg(8192, 2)).actor_update.max_tokens == 16384
+    assert resolve_batching(cfg(8192, 1)).actor_update.max_tokens == 8192
+    with pytest.raises(ConfigError, match=r"x parallel.context_parallel_size=4 .*at least 1024"):
+        resolve_batching(cfg(1000, 4))

@@ -1,7 +1,8 @@
 """How each pass of a step splits its rows into micro-batches, resolved once from the config.
 
 A pass uses a fixed row count (`*_micro_batch_size_per_gpu`) or, with verl's `use_dynamic_bsz`, a token
-budget (`*_max_token_len_per_gpu`); `resolve_batching` applies verl's defaults (ref and critic follow the
+budget (`*_max_token_len_per_gpu`, per GPU: a micro-batch of whole rows holds it x the context parallel size,
+as verl's Megatron engine counts it); `resolve_batching` applies verl's defaults (ref and critic follow the
 actor unless set) and refuses a budget below one full row. The splitting itself is in workers.micro_batches.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ class MicroBatching:
     """How one pass splits its rows: `rows` per micro-batch, or a token budget when max_tokens > 0."""
     rows: int
     max_tokens: int = 0
+    """Tokens of whole rows one micro-batch may hold: the per-GPU budget x the context parallel size (each GPU
+    computes 1/cp of every row), as verl's Megatron engine scales it."""
     packed: bool = False
     """Rows are packed without padding (model.use_remove_padding): a budget counts real tokens, as verl's does."""
 
@@ -50,12 +53,14 @@ def resolve_batching(cfg: Config) -> RoleBatching:
                                                  or c.ppo_max_token_len_per_gpu),
     }
     widest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    cp = cfg.parallel.context_parallel_size  # each GPU holds 1/cp of every row: a micro-batch holds budget x cp
     for key, (dynamic, budget) in budgets.items():
-        if dynamic and budget < widest:
-            raise ConfigError(f"{key}={budget} is below one full row (data.max_prompt_length + "
-                              f"data.max_response_length = {widest}); raise it to at least {widest}")
+        if dynamic and budget * cp < widest:
+            on = f" x parallel.context_parallel_size={cp}" if cp > 1 else ""
+            raise ConfigError(f"{key}={budget}{on} is below one full row (data.max_prompt_length + "
+                              f"data.max_response_length = {widest}); raise it to at least {-(-widest // cp)}")
     packed = cfg.model.use_remove_padding
-    specs = [MicroBatching(rows, budget if dynamic else 0, packed) for rows, (dynamic, budget) in zip(
+    specs = [MicroBatching(rows, budget * cp if dynamic else 0, packed) for rows, (dynamic, budget) in zip(
         (a.ppo_micro_batch_size_per_gpu, a.log_prob_micro_batch_size_per_gpu, r.log_prob_micro_batch_size_per_gpu,
          c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size_per_gpu), budgets.values())]
     return RoleBatching(*specs)

@@ -285,8 +285,8 @@ def _weight_sync_phase(ctx: _Ctx, stage: int) -> Phase:
 
 def _micro_rows(ctx: _Ctx, split: MicroBatching) -> float:
     """Full-width rows one micro-batch may compute: the row count, or with use_dynamic_bsz the
-    token budget over the full width (the packer keeps rows x trimmed width within the budget, and
-    the budget is at least one full row, so every activation term is bounded by this many rows)."""
+    token budget (per GPU x CP: whole rows) over the full width (the packer keeps rows x trimmed width within
+    the budget, and the budget is at least one full row, so every activation term is bounded by this many rows)."""
     return split.max_tokens / ctx.seq if split.dynamic else split.rows
 
 
@@ -294,7 +294,7 @@ def _forward_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
     """A forward without grad: the actor's old log-probs, the reference's, or the critic's values."""
     batching = resolve_batching(ctx.cfg)
     split = {"actor": batching.actor_log_prob, "ref": batching.ref_log_prob, "critic": batching.critic_values}[role]
-    micro = _micro_rows(ctx, split)
+    micro = _micro_rows(ctx, split) / ctx.layout.cp  # a GPU holds 1/cp of each row's tokens
     phase = {"actor": "old_log_prob", "ref": "ref", "critic": "values"}[role]
     items = _base(ctx, stage, phase)
     last = stage == ctx.layout.pp - 1
