@@ -297,6 +297,23 @@ def test_epochs_decide_the_rl_run_length_unless_steps_are_set():
     batches = [None] * 7  # what _total_steps reads of a loader: its batches per epoch
     assert _total_steps(load_config("", ["trainer.total_epochs=3"]), batches) == 21
     assert _total_steps(load_config("", ["trainer.total_epochs=3", "trainer.total_training_steps=5"]), batches) == 5
+    assert _total_steps(load_config(""), batches) == 7 * 30  # verl's default total_epochs
+
+
+def test_the_run_ends_when_its_epochs_do_as_verls_loop():
+    """verl's fit loops `for epoch in range(total_epochs): for batch in dataloader` and returns at
+    total_training_steps: whichever comes first ends the run (hybridrl reused the data past its epochs); the LR
+    schedule still spans total_training_steps. test_freq -1 (verl's default) validates never during training
+    (hybridrl validated at the last step)."""
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.loop import _run_steps, _total_steps, _validates_at
+
+    batches = [None] * 7
+    cfg = load_config("", ["trainer.total_epochs=1", "trainer.total_training_steps=10"])
+    assert (_run_steps(cfg, batches), _total_steps(cfg, batches)) == (7, 10)
+    assert _run_steps(load_config("", ["trainer.total_epochs=2", "trainer.total_training_steps=10"]), batches) == 10
+    assert [s for s in range(1, 11) if _validates_at(s, 10, 4)] == [4, 8, 10]
+    assert not any(_validates_at(s, 10, f) for s in range(1, 11) for f in (0, -1))
 
 
 def test_the_critic_takes_the_actors_batch_and_loss_settings_it_leaves_unset():

@@ -1,6 +1,6 @@
 """The algorithm recipes in configs/recipes/ (DAPO, Dr. GRPO, GSPO): each sets verl's keys of its
 algorithm, and the DAPO recipe runs on CPU with dynamic sampling, overlong shaping, validation only at
-the end (trainer.test_freq=-1) and a console line every trainer.log_freq steps."""
+the end (trainer.test_freq = the steps) and a console line every trainer.log_freq steps."""
 import os
 import re
 import subprocess
@@ -34,7 +34,7 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
     steps = 4
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config",
            os.path.join(RECIPES, "dapo_tiny_cpu.yaml")] + _overrides(tmp_path, [
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.log_freq=3",
+        f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.log_freq=3",
         "data.val_batch_size=8", "reward.overlong_buffer.len=2", "algorithm.filter_groups.max_num_gen_batches=20"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

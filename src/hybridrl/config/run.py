@@ -15,15 +15,16 @@ LOGGERS = ("console", "tensorboard", "wandb")
 @dataclass(frozen=True)
 class TrainerConfig:
     total_training_steps: int = 0
-    """Training steps to run; 0 (the default, verl's null): total_epochs over the data (a verl job that sets only
-    trainer.total_epochs runs its epochs here too; it ran 40 steps)."""
-    total_epochs: int = 1
-    """Epochs over the data when total_training_steps is 0 (verl's default is 30: set it)."""
+    """Training steps to run (and the LR schedule's length); 0 (the default, verl's null): total_epochs over the
+    data. As verl, the run also ends when total_epochs passes over the data are done, whichever comes first."""
+    total_epochs: int = 30
+    """Passes over the data, at most (verl's default, 30)."""
     critic_warmup: int = 0
     """The first step whose actor update runs, as verl counts it: steps 1 .. critic_warmup - 1 update only the
     critic (0 and 1: the actor from the first step)."""
     test_freq: int = 10
-    """Validate every this many steps and at the last; 0 disables, -1 only at the last step."""
+    """Validate every this many steps and at the last; 0 or below (verl's -1) never during training (verl's
+    default is -1; this one validates every 10 steps unless told not to)."""
     val_before_train: bool = True
     """Validate once before training: at step 0, or at the step a resumed run goes on from (as verl)."""
     save_freq: int = 0

@@ -25,10 +25,9 @@ CONSOLE_KEYS = ("critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "a
 
 
 def _validates_at(step: int, total: int, test_freq: int) -> bool:
-    """test_freq > 0: every test_freq steps and at the last; -1: only at the last; 0: never."""
-    if test_freq == 0:
-        return False
-    return step == total or (test_freq > 0 and step % test_freq == 0)
+    """As verl's trainers: test_freq > 0, every test_freq steps and at the last; 0 or below (verl's -1), never
+    during training (trainer.val_before_train still validates before it)."""
+    return test_freq > 0 and (step == total or step % test_freq == 0)
 
 
 def _val_core(metrics: dict) -> dict:
@@ -36,7 +35,15 @@ def _val_core(metrics: dict) -> dict:
 
 
 def _total_steps(cfg: Config, loader) -> int:
+    """The steps the LR schedule runs over (and the critic's): trainer.total_training_steps, or with 0 (verl's
+    null) total_epochs passes over the data."""
     return cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
+
+
+def _run_steps(cfg: Config, loader) -> int:
+    """The steps the run lasts, as verl's trainer loops: the schedule's steps, ended early when total_epochs
+    passes over the data are done (a set total_training_steps beyond them does not reuse the data)."""
+    return min(_total_steps(cfg, loader), len(loader) * cfg.trainer.total_epochs)
 
 
 def _endless(loader):
@@ -257,9 +264,13 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
 
     watchdog = Watchdog(tc.hang_timeout_s, tc.log_dir, dist.get_rank())
     trainer.timer.on_enter, trainer.timer.on_leave = watchdog.enter, watchdog.leave
+    last = _run_steps(cfg, train_loader)
+    if last < total:
+        print0(f"trainer.total_epochs={tc.total_epochs} over {len(train_loader)} batches ends the run at step {last}, "
+               f"before trainer.total_training_steps={total} (as verl); raise total_epochs to run them all")
     with _naming_dead_ranks(watchdog):
         return _steps(cfg, le, trainer, layout, groups, train_loader, val_loader, ckpt, saver, watchdog, start,
-                      total, writer, remote, profile, val_history)
+                      last, writer, remote, profile, val_history)
 
 
 @contextlib.contextmanager
