@@ -35,7 +35,8 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config",
            os.path.join(RECIPES, "dapo_tiny_cpu.yaml")] + _overrides(tmp_path, [
         f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.log_freq=3",
-        "data.val_batch_size=8", "reward.overlong_buffer.len=2", "algorithm.filter_groups.max_num_gen_batches=20"])
+        "data.val_batch_size=8", "reward.overlong_buffer.len=2", "algorithm.filter_groups.max_num_gen_batches=20",
+        f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.validation_data_dir={tmp_path}/val"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -45,6 +46,32 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
     assert all(0 < v <= 1 for v in scalars["train/filter_groups/kept_ratio"].values())
     assert sorted(scalars["val-core/synthetic/arith/acc/mean@1"]) == [steps]  # -1: only after the last step
     assert re.findall(r"^step:(\d+) ", proc.stdout, re.M) == ["3", "4"]  # every log_freq steps and the last
+    _check_generation_dumps(tmp_path, steps, scalars)
+
+
+def _check_generation_dumps(tmp_path, steps, scalars):
+    """verl's trainer.rollout_data_dir / validation_data_dir: <step>.jsonl of the batch the step trained on (the
+    groups dynamic sampling kept: their mean score is the step's critic/score/mean), each line its prompt, response,
+    ground truth (the prompt's own sum), score, step and the reward's extra values; validation's mean acc is the
+    logged val-core acc."""
+    import json
+
+    def lines(path):
+        with open(path) as f:
+            return [json.loads(line) for line in f]
+
+    assert sorted(os.listdir(tmp_path / "rollouts")) == [f"{s}.jsonl" for s in range(1, steps + 1)]
+    for step in range(1, steps + 1):
+        rows = lines(tmp_path / "rollouts" / f"{step}.jsonl")
+        assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {step}
+        assert all(r["gts"] == str(eval(r["input"].removesuffix("="))) for r in rows)  # a+b= and its sum
+        assert all(rows[i]["input"] == rows[i + 1]["input"] for i in range(0, len(rows), 2))  # a group per prompt
+        assert {"acc", "pred"} <= set(rows[0]) and all(isinstance(r["output"], str) for r in rows)
+        assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(scalars["critic/score/mean"][step], abs=1e-6)
+    assert os.listdir(tmp_path / "val") == [f"{steps}.jsonl"]  # validated only after the last step
+    val = lines(tmp_path / "val" / f"{steps}.jsonl")
+    assert all(r["gts"] == str(eval(r["input"].removesuffix("="))) for r in val)
+    assert sum(r["acc"] for r in val) / len(val) == pytest.approx(scalars["val-core/synthetic/arith/acc/mean@1"][steps])
 
 
 def test_rollout_correction_recipes_are_verls_presets():

@@ -176,10 +176,16 @@ def test_sampled_validation_n4_by_hand(tmp_path):
     reward.write_text(SCORE_AND_RECORD.format(log=str(log)))
     run_distributed(_train, 1, TINY, _overrides(tmp_path, [
         "trainer.val_before_train=true", "trainer.total_training_steps=1", f"reward.custom_function.path={reward}",
-        "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0"]))
+        "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
+        f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.validation_data_dir={tmp_path}/val"]))
     prompts = pq.read_table(tmp_path / "data" / "test.parquet").num_rows
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(seen) == prompts * 4 + 4 * 2  # validation first, then the training step's 4 x 2
+    # verl's generation dumps hold what the reward function saw and returned, in order (its dict's keys too)
+    for path, part in ((tmp_path / "val" / "0.jsonl", seen[:prompts * 4]), (tmp_path / "rollouts" / "1.jsonl",
+                                                                                seen[prompts * 4:])):
+        dumped = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [[d["output"], d["score"]] for d in dumped] == part and all(d["pred"] == d["output"] for d in dumped)
     groups = [seen[4 * p:4 * p + 4] for p in range(prompts)]  # a prompt's responses are consecutive
     assert sum(len({text for text, _ in g}) > 1 for g in groups) > prompts // 2  # sampled, not greedy
     score = np.array([[s for _, s in g] for g in groups])

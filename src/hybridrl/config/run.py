@@ -33,6 +33,11 @@ class TrainerConfig:
     """Keep the actor of the newest K complete checkpoints, delete older ones after each save; null or 0: keep all."""
     max_critic_ckpt_to_keep: Optional[int] = None
     """Keep the critic of the newest K complete checkpoints, delete older ones after each save; null or 0: keep all."""
+    rollout_data_dir: Optional[str] = None
+    """verl's: each training step's responses as <step>.jsonl here (input, output, gts, score, step and the reward's
+    extra values per response); null: none."""
+    validation_data_dir: Optional[str] = None
+    """verl's: each validation's responses as <step>.jsonl here (step 0 before training); null: none."""
     default_local_dir: str = "outputs/checkpoints"
     """Where checkpoints go."""
     resume_mode: str = "auto"

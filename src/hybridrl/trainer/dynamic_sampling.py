@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybridrl.trainer.step_batch import gather_dp, local_slice
+from hybridrl.trainer.step_batch import gather_dp, gather_objects_dp, local_slice
 
 Batch = Dict[str, torch.Tensor]
 PROMPT_COLUMNS = ("input_ids", "attention_mask", "prompt_mask")  # left-padded prompt part first
@@ -99,17 +99,23 @@ def _kept_global(batch: Batch, scores: torch.Tensor, keep: torch.Tensor, n: int,
 
 
 def sample_filtered(generate_and_score: Callable, prompts, next_prompts: Optional[Callable], cfg, groups,
-                    pad_id: int, step: int) -> Tuple[Batch, torch.Tensor, Dict[str, float]]:
+                    pad_id: int, step: int, rows_of: Optional[Callable] = None,
+                    kept_rows: Optional[list] = None) -> Tuple[Batch, torch.Tensor, Dict[str, float]]:
     """(this rank's batch, its scores, metrics) of train_batch_size kept groups.
 
     `generate_and_score(prompts) -> (batch, scores, raw_scores, infos)` runs one generation batch on
-    this rank; `next_prompts()` gives the next prompt batch of the data loader."""
+    this rank; `next_prompts()` gives the next prompt batch of the data loader. With `kept_rows` (a list),
+    `rows_of()` gives a per-row object of the batch just scored on this rank, and kept_rows gets those of the
+    kept rows of every rank, in the global order of the returned batch."""
     fg, n, target = cfg.algorithm.filter_groups, cfg.rollout.n, cfg.data.train_batch_size
     kept_batches, kept_scores, num_kept = [], [], 0
     for num_gen_batches in itertools.count(1):
         batch, scores, raw_scores, infos = generate_and_score(prompts)
         keep = kept_groups(filter_values(fg.metric, raw_scores, scores, infos), n)
         part, part_scores = _kept_global(batch, scores, keep, n, groups)
+        if kept_rows is not None:
+            rows = gather_dp(keep.repeat_interleave(n).to(torch.int32), groups).tolist()
+            kept_rows += [r for r, k in zip(gather_objects_dp(rows_of(), groups), rows) if k]
         kept_batches.append(part)
         kept_scores.append(part_scores)
         num_kept += part_scores.shape[0] // n
@@ -124,6 +130,8 @@ def sample_filtered(generate_and_score: Callable, prompts, next_prompts: Optiona
             raise RuntimeError("algorithm.filter_groups needs more prompts but this step was given no prompt source")
         prompts = next_prompts()
     rows = target * n
+    if kept_rows is not None:
+        del kept_rows[rows:]
     full = {k: v[:rows] for k, v in concat_batches(kept_batches, pad_id).items()}
     metrics = {"train/num_gen_batches": float(num_gen_batches),
                "train/filter_groups/kept_ratio": num_kept / (num_gen_batches * target)}

@@ -258,7 +258,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     trainer.sync_rollout_weights()  # the starting weights, fresh or resumed: sent once
     val_history = []  # (step, validation metrics) of every validation, for the closing trend
     if val_loader is not None and tc.val_before_train:  # resumed too, at the step resumed from (as verl)
-        val_history.append((start, trainer.validate(val_loader)))
+        val_history.append((start, trainer.validate(val_loader, start)))
         writer.log(val_history[-1][1], start, tuple(_val_core(val_history[-1][1])))
     from hybridrl.trainer.watchdog import Watchdog
 
@@ -319,7 +319,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
                                 f"this step (last checkpoint: {ckpt.latest()})") from None
         validated = val_loader is not None and _validates_at(step, total, tc.test_freq)
         if validated:
-            val_history.append((step, trainer.validate(val_loader)))
+            val_history.append((step, trainer.validate(val_loader, step)))
             metrics.update(val_history[-1][1])
         metrics["training/global_step"] = step
         rewards.append(metrics["critic/score/mean"])

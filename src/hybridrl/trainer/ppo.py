@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hybridrl import algos
 from hybridrl.config import Config
 from hybridrl.log import warn_once
+from hybridrl.trainer import generation_dump
 from hybridrl.trainer.dynamic_sampling import sample_filtered
 from hybridrl.placement.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
@@ -32,8 +33,8 @@ from hybridrl.timeline import Timeline
 from hybridrl.trainer.rollout_correction import check_rollout_correction, correct_rollout
 from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
-from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, is_rollout_source, local_slice,
-                                        pad_columns, route_columns)
+from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, gather_objects_dp, is_rollout_source,
+                                         local_slice, pad_columns, route_columns)
 from hybridrl.trainer.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
@@ -108,6 +109,9 @@ class PPOTrainer:
         if source == "update" and not actor_steps:
             source = "pass"
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts, source)
+        if cfg.trainer.rollout_data_dir:
+            with t("dump_rollout_generations"):
+                self.dump_generations(cfg.trainer.rollout_data_dir, step, batch, scores, self.step_rows)
         if self.remote is not None and upcoming is not None:
             with t("update_weights"):
                 self.remote.prefetch(*self.rollout_request(upcoming, self.train_sampling(), step + 1))
@@ -252,8 +256,10 @@ class PPOTrainer:
     def sample(self, prompts, step: int, next_prompts=None, source: str = "pass"):
         """(batch, scores, metrics) of this step: one generation batch, DAPO's dynamic sampling, or (split
         placement with stream_prompts) chunks scored and passed forward as they arrive."""
+        self.step_rows = None  # with trainer.rollout_data_dir: (ground truth, reward extras) per row, global order
         if self.remote is not None and self.cfg.async_training.stream_prompts:
             return (*sample_streamed(self, prompts, step, source), {})
+        scored = []  # with a dump: each generation batch's RowInfo
 
         def generate_and_score(p):
             with self.timer("gen"):
@@ -261,13 +267,32 @@ class PPOTrainer:
             if self.cfg.algorithm.adv_estimator == "remax":
                 batch["baseline_scores"] = self.remax_baselines(p, step)
             with self.timer("reward"):
-                return (batch, *self.score_details(batch, p, self.cfg.rollout.n))
+                out = (batch, *self.score_details(batch, p, self.cfg.rollout.n))
+            if self.cfg.trainer.rollout_data_dir:
+                scored.append(generation_dump.RowInfo.of([g for g in p.ground_truth for _ in range(self.cfg.rollout.n)], out[3]))
+            return out
 
         if not self.cfg.algorithm.filter_groups.enable:
             batch, scores, _, _ = generate_and_score(prompts)
+            if scored:
+                self.step_rows = gather_objects_dp(scored[-1].rows(), self.groups)
             return batch, scores, {}
-        return sample_filtered(generate_and_score, prompts, next_prompts, self.cfg, self.groups,
-                               self.tok.pad_token_id, step)
+        kept = [] if self.cfg.trainer.rollout_data_dir else None
+        out = sample_filtered(generate_and_score, prompts, next_prompts, self.cfg, self.groups, self.tok.pad_token_id,
+                              step, rows_of=lambda: scored[-1].rows(), kept_rows=kept)
+        self.step_rows = kept
+        return out
+
+    def dump_generations(self, folder: str, step: int, batch, scores, rows) -> None:
+        """verl's `<folder>/<step>.jsonl` of this batch (every DP rank's rows; one rank writes); rows: (ground
+        truth, reward extras) per response in global order, or None where the step did not keep them."""
+        inputs, outputs = generation_dump.texts(self.tok, batch)
+        lines = gather_objects_dp(list(zip(inputs, outputs, scores.tolist())), self.groups)
+        g = self.groups
+        if (g.dp_rank, g.tp_rank, g.pp_rank, g.cp_rank) == (0, 0, 0, 0):
+            rows = rows if rows is not None else [(None, {})] * len(lines)
+            generation_dump.write_generations(folder, step, [x[0] for x in lines], [x[1] for x in lines], rows,
+                                              [x[2] for x in lines])
 
     def remax_baselines(self, prompts, step: int) -> torch.Tensor:
         """ReMax's baseline: the score of one greedy response per prompt (as verl: the same reward,
@@ -444,12 +469,14 @@ class PPOTrainer:
                               top_k=-1 if greedy else vk.top_k, max_new_tokens=self.cfg.data.max_response_length,
                               stop_token_ids=self.tok.eos_token_ids, seed=self.cfg.rollout.seed)
 
-    def validate(self, val_loader) -> Dict[str, float]:
+    def validate(self, val_loader, step: int = 0) -> Dict[str, float]:
         """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...; multi-turn:
-        val-aux/num_turns/min, max and mean over every response)."""
+        val-aux/num_turns/min, max and mean over every response); with trainer.validation_data_dir, the responses
+        as `<step>.jsonl` there."""
         sampling = self.val_sampling()
         samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
         turns = []  # multi-turn: each response's model turns (rollout/num_turns' count)
+        dump = []  # with validation_data_dir: (prompt, response, score, ground truth, extras) per response
         for b, prompts in enumerate(val_loader):
             if len(prompts) == 0 and self.remote is None:  # split: every rank joins each request
                 continue
@@ -457,28 +484,33 @@ class PPOTrainer:
             if "num_turns" in batch:
                 turns += batch["num_turns"].tolist()
             scores, _, infos = self.score_details(batch, prompts, sampling.n, use_reward_model=False)  # rule-checked
+            if self.cfg.trainer.validation_data_dir:
+                texts = zip(*generation_dump.texts(self.tok, batch), scores.tolist())
+                gts = [g for g in prompts.ground_truth for _ in range(sampling.n)]
+                dump += [t + row for t, row in zip(texts, generation_dump.RowInfo.of(gts, infos).rows())]
             for i, score in enumerate(scores.tolist()):
                 p = i // sampling.n
                 values = {"reward": score, **{k: v[i] for k, v in infos.items()}}
                 # one uid per val row (verl: a uuid each): its rank, batch and place
                 samples.append((prompts.data_source[p], (self.groups.dp_rank, b, p), values))
         metrics = metrics_from_samples(gather_objects_dp(samples, self.groups))
+        if self.cfg.trainer.validation_data_dir:
+            self._write_validation(gather_objects_dp(dump, self.groups), step)
         turns = gather_objects_dp(turns, self.groups)
         if turns:  # as verl's val-aux/num_turns/{min,max,mean}
             metrics.update({"val-aux/num_turns/min": float(min(turns)), "val-aux/num_turns/max": float(max(turns)),
                             "val-aux/num_turns/mean": sum(turns) / len(turns)})
         return metrics
 
+    def _write_validation(self, lines: list, step: int) -> None:
+        g = self.groups
+        if (g.dp_rank, g.tp_rank, g.pp_rank, g.cp_rank) == (0, 0, 0, 0):
+            generation_dump.write_generations(self.cfg.trainer.validation_data_dir, step, [x[0] for x in lines],
+                                              [x[1] for x in lines], [(x[3], x[4]) for x in lines],
+                                              [x[2] for x in lines])
+
 
 def _finite(scores: torch.Tensor, source: str) -> torch.Tensor:
     if not torch.isfinite(scores).all():
         raise TrainingError(f"{source} returned a non-finite score")
     return scores
-
-
-def gather_objects_dp(items: list, groups) -> list:
-    """Concatenate every DP rank's list, in rank order (the global order of the prompts)."""
-    parts = [None] * groups.dp
-    dist.all_gather_object(parts, items, group=groups.dp_group)
-    return [x for part in parts for x in part]
-

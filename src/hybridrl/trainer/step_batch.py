@@ -78,6 +78,13 @@ def gather_dp(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def gather_objects_dp(items: list, groups: ParallelGroups) -> list:
+    """Concatenate every DP rank's list, in rank order (the global order of the prompts)."""
+    parts = [None] * groups.dp
+    dist.all_gather_object(parts, items, group=groups.dp_group)
+    return [x for part in parts for x in part]
+
+
 def local_slice(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     return dp_rows(t, groups.dp, groups.dp_rank)
 
