@@ -99,11 +99,18 @@ def test_remax_baseline_is_the_greedy_score(tmp_path):
     _torchrun(tmp_path, 2, ["algorithm.adv_estimator=remax", f"data.train_files=[{tmp_path}/data/test.parquet]",
                             "data.train_batch_size=100", "actor.ppo_mini_batch_size=100",
                             "actor.ppo_micro_batch_size_per_gpu=100", "trainer.val_before_train=true",
-                            "trainer.total_training_steps=1", f"reward.custom_function.path={reward}"])
+                            "trainer.total_training_steps=1", f"reward.custom_function.path={reward}",
+                            f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.validation_data_dir={tmp_path}/val"])
     scalars = read_scalars(tmp_path)
     greedy = scalars["val-core/synthetic/arith/acc/mean@1"][0]  # a float score is also "acc", as verl's managers
     assert greedy > 0 and scalars["actor/grad_norm"][1] > 0
     assert scalars["critic/remax_baseline/mean"][1] == pytest.approx(greedy, rel=1e-6)
+    # the generation dumps hold both DP ranks' rows once each: the 100 prompts, twice each in training (rollout.n)
+    val = [json.loads(line) for line in (tmp_path / "val" / "0.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert len(val) == 100 and sum(d["score"] for d in val) / 100 == pytest.approx(greedy, rel=1e-6)
+    assert sorted(d["input"] for d in train) == sorted(d["input"] for d in val for _ in range(2))
+    assert sum(d["score"] for d in train) / len(train) == pytest.approx(scalars["critic/score/mean"][1], rel=1e-6)
 
 
 # What the single-process run a layout is compared with shares with it: the estimator and what changes the
