@@ -90,7 +90,7 @@ def test_wrong_type_names_key_and_type(override, key, expected):
     ("actor.policy_loss.loss_mode=gpo", "actor.policy_loss.loss_mode='gpo' is not one of vanilla, gspo"),
     ("actor.loss_scale_factor=0", "actor.loss_scale_factor must be > 0"),
     ("rollout.val_kwargs.n=4", "set rollout.val_kwargs.temperature > 0, or n=1"),
-    ("trainer.test_freq=-2", "trainer.test_freq must be >= 1, 0 (never) or -1"),
+    ("trainer.test_freq=-2", "trainer.test_freq must be >= 1, or 0 / -1 (never during training)"),
     ("trainer.log_freq=0", "trainer.log_freq must be >= 1"),
     ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len must be > 0"),
     ("reward.gsm8k_method=lenient", "'lenient' is not one of strict, flexible, flexible_lenient"),

@@ -104,6 +104,9 @@ def test_filter_values_by_metric():
     raw, shaped = torch.tensor([1.0, 1.0, 0.3, 0.3]), torch.tensor([1.0, 0.5, 0.3, 0.3])
     assert kept_groups(filter_values("score", raw, shaped, {}), 2).tolist() == [False, False]
     assert kept_groups(filter_values("seq_reward", raw, shaped, {}), 2).tolist() == [True, False]
+    assert kept_groups(filter_values("reward", raw, shaped, {}), 2).tolist() == [True, False]  # verl 0.9.1's name
+    from hybridrl.config import Config
+    assert Config().algorithm.filter_groups.metric == "reward"  # verl 0.9.1's default
     assert kept_groups(filter_values("acc", raw, shaped, {"acc": [1, 0, 0, 0]}), 2).tolist() == [True, False]
     assert kept_groups(filter_values("acc", raw, shaped, {}), 2).tolist() == [False, False]  # acc falls back to score
     assert kept_groups(filter_values("acc", raw, shaped, {}), 1).tolist() == [True] * 4  # singletons are kept

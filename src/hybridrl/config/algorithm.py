@@ -8,6 +8,8 @@ from hybridrl.config.checks import check, one_of
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
+"""verl's vectorized implementations of the same estimators (the same advantages): read as those."""
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
@@ -107,9 +109,10 @@ class RolloutCorrectionConfig:
 class FilterGroupsConfig:
     enable: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
-    metric: str = "acc"
-    """Per-response value compared within a group: acc / score (before overlong shaping), seq_reward (after),
-    or a numeric key returned by the custom reward function."""
+    metric: str = "reward"
+    """Per-response value compared within a group: reward (verl 0.9.1's default: the score after overlong shaping,
+    what the advantages see before any KL; seq_reward is the same), score (before shaping), acc (the reward's acc,
+    else its score), or a numeric key returned by the custom reward function."""
     max_num_gen_batches: int = 0
     """Most generation batches per step before stopping with an error; <= 0: no limit."""
 
@@ -139,6 +142,7 @@ class AlgorithmConfig:
     """The engine-vs-trainer mismatch: importance sampling, rejection, bypass mode (verl's keys)."""
 
     def __post_init__(self):
+        object.__setattr__(self, "adv_estimator", ESTIMATOR_ALIASES.get(self.adv_estimator, self.adv_estimator))
         one_of("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         one_of("algorithm.kl_penalty", self.kl_penalty, KL_KINDS)
 

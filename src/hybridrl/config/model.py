@@ -29,8 +29,8 @@ class DataConfig:
     """Most new tokens per response."""
     train_batch_size: int = 16
     """Prompts per training step (before rollout.n)."""
-    val_batch_size: int = 64
-    """Prompts per validation batch."""
+    val_batch_size: Optional[int] = 64
+    """Prompts per validation batch; null (verl's default, where the key is deprecated): the whole set at once."""
     filter_overlong_prompts: bool = True
     """Drop (and count) prompts longer than max_prompt_length."""
     truncation: str = "error"
@@ -47,7 +47,7 @@ class DataConfig:
         check(self.max_prompt_length > 0, "data.max_prompt_length must be > 0")
         check(self.max_response_length > 0, "data.max_response_length must be > 0")
         check(self.train_batch_size > 0, "data.train_batch_size must be > 0")
-        check(self.val_batch_size > 0, "data.val_batch_size must be > 0")
+        check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size must be > 0 or null")
         one_of("data.truncation", self.truncation, ("left", "right", "error"))
         check(self.synthetic_task in ("",) + SYNTHETIC_TASKS,
               f"data.synthetic_task={self.synthetic_task!r} is not one of {', '.join(SYNTHETIC_TASKS)}, or empty "

@@ -14,9 +14,10 @@ LOGGERS = ("console", "tensorboard", "wandb")
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_training_steps: int = 0
-    """Training steps to run (and the LR schedule's length); 0 (the default, verl's null): total_epochs over the
-    data. As verl, the run also ends when total_epochs passes over the data are done, whichever comes first."""
+    total_training_steps: Optional[int] = 0
+    """Training steps to run (and the LR schedule's length); 0 or null (the default, verl's null): total_epochs
+    over the data. As verl, the run also ends when total_epochs passes over the data are done, whichever comes
+    first."""
     total_epochs: int = 30
     """Passes over the data, at most (verl's default, 30)."""
     critic_warmup: int = 0
@@ -41,7 +42,9 @@ class TrainerConfig:
     default_local_dir: str = "outputs/checkpoints"
     """Where checkpoints go."""
     resume_mode: str = "auto"
-    """auto (latest in default_local_dir), disable, or a checkpoint path."""
+    """auto (latest in default_local_dir), disable, a checkpoint path, or verl's resume_path (resume_from_path)."""
+    resume_from_path: Optional[str] = None
+    """verl's: the checkpoint folder resume_mode=resume_path resumes from (read only in that mode, as verl)."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on (published when complete)."""
     verify_checkpoint_digests: bool = True
@@ -75,8 +78,14 @@ class TrainerConfig:
     """A phase running this long ends the run with one line naming rank and phase, stacks under log_dir; 0: off."""
 
     def __post_init__(self):
+        if self.total_training_steps is None:  # verl's null: the epochs decide
+            object.__setattr__(self, "total_training_steps", 0)
+        if self.resume_mode == "resume_path":  # verl's spelling of "resume from this folder"
+            check(bool(self.resume_from_path), "trainer.resume_mode=resume_path needs trainer.resume_from_path=<a "
+                                               "global_step_N folder>")
+            object.__setattr__(self, "resume_mode", self.resume_from_path)
         check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")
-        check(self.test_freq >= -1, "trainer.test_freq must be >= 1, 0 (never) or -1 (only at the end)")
+        check(self.test_freq >= -1, "trainer.test_freq must be >= 1, or 0 / -1 (never during training)")
         check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
         check(self.dist_timeout_s > 0, "trainer.dist_timeout_s must be > 0 (seconds)")
         check(self.hang_timeout_s >= 0, "trainer.hang_timeout_s must be >= 0 (seconds; 0 turns the watchdog off)")

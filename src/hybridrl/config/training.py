@@ -78,10 +78,12 @@ class ActorConfig:
     """Samples per forward/backward on one DP rank."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    clip_ratio_low: float = 0.2
-    """PPO clip below 1."""
-    clip_ratio_high: float = 0.2
-    """PPO clip above 1 (clip-higher when larger than clip_ratio_low)."""
+    clip_ratio: float = 0.2
+    """verl's fallback clip: what clip_ratio_low / clip_ratio_high are where set to null."""
+    clip_ratio_low: Optional[float] = 0.2
+    """PPO clip below 1; null: clip_ratio."""
+    clip_ratio_high: Optional[float] = 0.2
+    """PPO clip above 1 (clip-higher when larger than clip_ratio_low); null: clip_ratio."""
     clip_ratio_c: float = 3.0
     """Dual-clip constant for negative advantages (> 1)."""
     loss_agg_mode: str = "token-mean"
@@ -116,6 +118,9 @@ class ActorConfig:
     """Low-rank adapters instead of full fine-tuning (rank 0: off); the reference is then the base itself."""
 
     def __post_init__(self):
+        for side in ("clip_ratio_low", "clip_ratio_high"):  # verl: `low if low is not None else clip_ratio`
+            if getattr(self, side) is None:
+                object.__setattr__(self, side, self.clip_ratio)
         check(self.moe_aux_loss_coeff >= 0, "actor.moe_aux_loss_coeff must be >= 0")
         one_of("actor.router_replay", self.router_replay, ("off", "rollout"))
         check(self.ppo_max_token_len_per_gpu > 0 and self.log_prob_max_token_len_per_gpu > 0,

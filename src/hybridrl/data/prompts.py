@@ -318,7 +318,8 @@ def make_val_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0,
                     dp_size: int = 1) -> PromptLoader:
     """Every validation prompt once, in file order; the last batch may be short (or empty on a rank)."""
     dataset = PromptDataset(cfg.val_files, tokenizer, cfg)
-    return PromptLoader(dataset, cfg.val_batch_size, dp_rank, dp_size, False, cfg.seed, False)
+    batch = cfg.val_batch_size or max(1, len(dataset))  # null: the whole set, as verl
+    return PromptLoader(dataset, batch, dp_rank, dp_size, False, cfg.seed, False)
 
 
 def write_prompt_parquet(rows: Sequence[Dict[str, Any]], path: str) -> str:

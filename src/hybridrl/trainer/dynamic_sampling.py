@@ -33,20 +33,20 @@ def filter_values(metric: str, raw_scores: torch.Tensor, scores: torch.Tensor,
                   infos: Dict[str, list]) -> torch.Tensor:
     """The per-response values compared within a group.
 
-    score: the reward function's score; seq_reward: the score after overlong shaping (what the
-    advantages see); acc: the reward's "acc" value where it returns one, else its score (verl's DAPO
-    reward manager records a plain score as acc); any other name: that numeric key of the reward's
-    returned dict."""
+    score: the reward function's score; reward (verl 0.9.1's name) or seq_reward (verl's DAPO recipe's): the
+    score after overlong shaping (what the advantages see); acc: the reward's "acc" value where it returns
+    one, else its score (verl's DAPO reward manager records a plain score as acc); any other name: that
+    numeric key of the reward's returned dict."""
     if metric == "score":
         return raw_scores
-    if metric == "seq_reward":
+    if metric in ("reward", "seq_reward"):
         return scores
     values = infos.get(metric)
     if metric == "acc" and (values is None or any(v is None for v in values)):
         return raw_scores
     if values is None or any(not isinstance(v, (int, float)) for v in values):
         raise FilterGroupsError(f"algorithm.filter_groups.metric={metric!r} is not a numeric value of every response "
-                         f"(the reward returns {sorted(infos) or 'only a score'}); use acc, score, seq_reward "
+                         f"(the reward returns {sorted(infos) or 'only a score'}); use reward, acc, score "
                          "or a numeric key of your reward function's dict")
     return torch.tensor([float(v) for v in values], dtype=torch.float64, device=raw_scores.device)
 

@@ -179,6 +179,8 @@ class ActorWorker(LogProbWorker):
                                            self.token_fn(True, entropy_grad=self.cfg.entropy_coeff != 0))
         if routing.routers:
             metrics.update(pass_metrics(routing, self.engine.groups, routing.routers[0].topk))
+        if self.cfg.use_kl_loss:  # verl logs the coefficient beside actor/kl_loss
+            metrics["actor/kl_coef"] = self.cfg.kl_loss_coef
         if own_old:
             batch["old_log_probs"], batch["old_entropy"] = per_step[0]["log_probs"], per_step[0]["entropy"]
         return metrics

@@ -1,0 +1,43 @@
+"""verl 0.9.1 config spellings a migrated job uses, read as verl reads them (each was refused before)."""
+import pytest
+
+from hybridrl.config import ConfigError
+from hybridrl.config.io import load_config
+
+
+def test_clip_ratio_is_the_fallback_of_null_clip_bounds():
+    """verl's core_algos: `clip_ratio_low if clip_ratio_low is not None else clip_ratio` (and high alike); with the
+    bounds at their 0.2 defaults, clip_ratio alone changes nothing, as in verl."""
+    a = load_config("", ["actor.clip_ratio=0.3", "actor.clip_ratio_low=null", "actor.clip_ratio_high=0.28"]).actor
+    assert (a.clip_ratio_low, a.clip_ratio_high) == (0.3, 0.28)
+    a = load_config("", ["actor.clip_ratio=0.3"]).actor
+    assert (a.clip_ratio_low, a.clip_ratio_high) == (0.2, 0.2)
+
+
+def test_null_steps_and_val_batch_and_vectorized_estimators():
+    cfg = load_config("", ["trainer.total_training_steps=null", "data.val_batch_size=null",
+                           "algorithm.adv_estimator=grpo_vectorized"])
+    assert cfg.trainer.total_training_steps == 0 and cfg.data.val_batch_size is None
+    assert cfg.algorithm.adv_estimator == "grpo"  # the same advantages, another implementation in verl
+    assert load_config("", ["algorithm.adv_estimator=rloo_vectorized"]).algorithm.adv_estimator == "rloo"
+
+
+def test_val_batch_size_null_is_the_whole_set(tmp_path):
+    from hybridrl.data.prompts import make_val_loader
+    from hybridrl.data.synthetic import write_synthetic_arith
+    from hybridrl.tokenizer import load_tokenizer
+
+    _, test = write_synthetic_arith(str(tmp_path), n_train=4, n_test=37, seed=0)
+    cfg = load_config("", [f"data.val_files=[{test}]", "data.val_batch_size=null", "data.tokenizer=builtin:tiny"])
+    batches = list(make_val_loader(cfg.data, load_tokenizer("builtin:tiny")))
+    assert [len(b) for b in batches] == [37]
+
+
+def test_resume_path_mode_reads_resume_from_path(tmp_path):
+    """verl: resume_mode=resume_path resumes from trainer.resume_from_path (read in that mode only)."""
+    folder = str(tmp_path / "global_step_3")
+    assert load_config("", ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder}"]
+                       ).trainer.resume_mode == folder
+    assert load_config("", [f"trainer.resume_from_path={folder}"]).trainer.resume_mode == "auto"
+    with pytest.raises(ConfigError, match="needs trainer.resume_from_path"):
+        load_config("", ["trainer.resume_mode=resume_path"])
