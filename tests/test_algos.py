@@ -571,3 +571,19 @@ def test_no_torch_distributed(module):
         if isinstance(node, ast.Name):
             assert node.id != "dist"
     assert "dist." not in src
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3", "low_var_kl", "abs", "k2"])
+def test_straight_through_kl_has_the_estimators_value_and_k2s_gradient(kind):
+    """verl 0.9.1's kl_penalty with a '+' suffix: forward = the estimator, backward = k2's (d/dlogp of
+    0.5 (logp - ref)^2 = logp - ref), by hand."""
+    log_prob = torch.tensor([-1.0, -0.5, -2.0, -0.1], requires_grad=True)
+    ref = torch.tensor([-1.2, -0.5, -1.0, -0.3])
+    plus = algos.kl_penalty(log_prob, ref, kind + "+")
+    assert torch.allclose(plus, algos.kl_penalty(log_prob, ref, kind))
+    plus.sum().backward()
+    assert torch.allclose(log_prob.grad, (log_prob - ref).detach())
+    if kind in ("k1", "k3"):  # the plain estimator's gradient is another one
+        plain = log_prob.detach().clone().requires_grad_(True)
+        algos.kl_penalty(plain, ref, kind).sum().backward()
+        assert not torch.allclose(plain.grad, log_prob.grad)

@@ -15,7 +15,7 @@ from dist_helper import run_distributed
 from models_helper import padded_rl_rows
 
 B, P, R = 8, 5, 6
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo")
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo")
 
 
 def _modes(mode):
@@ -118,7 +118,7 @@ def _expected_losses(ref, mode):
     kl = algos.agg_loss(algos.kl_penalty(ref["log_probs"], b["ref_log_probs"], "low_var_kl"), mask, mode, R)
     # agg_loss of one batch leaves the row without a loss token out of the seq-mean; verl's trainer divides by
     # every row of the mini-batch (its global_batch_size)
-    scale = 1.0 if mode == "token-mean" else float((mask.sum(-1) > 0).sum()) / B
+    scale = 1.0 if mode in ("token-mean", "token-sum") else float((mask.sum(-1) > 0).sum()) / B
     return {"actor/pg_loss": pg.item() * scale, "actor/kl_loss": kl.item() * scale,
             "actor/entropy_loss": algos.agg_loss(ref["entropy"], mask, mode, R).item() * scale}
 
@@ -139,6 +139,20 @@ def test_update_is_split_and_dp_invariant(runs, mode):
                 if key in ref[role]:
                     assert abs(got[role][key] - ref[role][key]) <= 1e-5 * max(1.0, abs(ref[role][key])), (what, key)
     assert ref["actor"]["actor/grad_norm"] > 0 and ref["critic"]["critic/grad_norm"] > 0
+
+
+@pytest.mark.distributed
+def test_token_sum_is_token_mean_times_the_mini_batchs_tokens(runs):
+    """verl's token-sum: the loss (policy, entropy and KL terms alike) is the sum over every loss token of the
+    mini-batch, so its gradient is token-mean's times their count, at DP 1 and 2 and any split."""
+    dp1, dp2 = runs
+    tokens = float(_batch(97)["response_mask"].sum())
+    for run in (dp1, dp2):
+        for (mode, micro), got in run.items():
+            if mode == "token-sum":
+                mean = run[("token-mean", micro)]["actor"]
+                assert got["actor"]["actor/grad_norm"] == pytest.approx(tokens * mean["actor/grad_norm"], rel=1e-5)
+                assert got["actor"]["actor/pg_loss"] == pytest.approx(tokens * mean["actor/pg_loss"], rel=1e-5)
 
 
 @pytest.mark.distributed

@@ -21,7 +21,7 @@ from hybridrl.algos.rollout_correction import (compute_rollout_correction_and_re
 Tensor = torch.Tensor
 GroupIndex = Union[Sequence[Hashable], Tensor]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
@@ -209,7 +209,8 @@ def token_rewards_from_scores(scores: Tensor, response_mask: Tensor) -> Tensor:
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, loss_scale_factor: Optional[float] = None) -> Tensor:
     """Reduce a [B, T] token loss to a scalar, as verl 0.9.1's `core_algos.agg_loss` on one batch.
 
-    token-mean: sum over the loss tokens / their count. seq-mean-token-sum / -token-mean: the mean,
+    token-mean: sum over the loss tokens / their count. token-sum: their sum (a mini-batch's loss is the sum
+    over all of its tokens, on every DP rank together, as verl's). seq-mean-token-sum / -token-mean: the mean,
     over the rows that have at least one loss token (fully masked rows are left out, as verl does),
     of each row's token sum / token mean. seq-mean-token-sum-norm (Dr. GRPO): seq-mean-token-sum
     divided by a constant, `loss_scale_factor`, else the width T of `mask` (verl's default; callers
@@ -219,6 +220,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, loss_scale_factor: Optio
     m = _mask_like(mask, loss_mat)
     if mode == "token-mean":
         return masked_mean(loss_mat, m)
+    if mode == "token-sum":
+        return masked_sum(loss_mat, m)
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
     tokens = m.sum(dim=-1)
@@ -235,10 +238,13 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, loss_scale_factor: Optio
 def agg_loss_denominator(mask: Tensor, mode: str) -> float:
     """What agg_loss divides by before any constant: loss tokens (token-mean) or rows with a loss
     token (seq-mean-*). A micro-batch's share of the mini-batch normaliser is its denominator over
-    the sum of all of them, which makes sum(share * agg_loss(micro-batch)) = agg_loss(mini-batch)."""
+    the sum of all of them, which makes sum(share * agg_loss(micro-batch)) = agg_loss(mini-batch). token-sum has
+    none (1 where the micro-batch holds a loss token): every micro-batch's sum counts whole."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
     tokens = (mask != 0).sum(dim=-1)
+    if mode == "token-sum":
+        return float(tokens.sum() > 0)
     return float(tokens.sum()) if mode == "token-mean" else float((tokens > 0).sum())
 
 
@@ -370,7 +376,17 @@ def entropy_loss(entropy: Tensor, mask: Tensor, agg_mode: str = "token-mean",
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled log-probs (Schulman's k1/k2/k3)."""
+    """Per-token estimate of KL(pi || pi_ref) from sampled log-probs (Schulman's k1/k2/k3). A kind ending in "+"
+    (verl's straight-through variants, e.g. "k3+") has that estimator's value and k2's gradient, whose
+    expectation is the gradient of the KL (k1's and k3's are not)."""
+    if kind.endswith("+"):
+        value = _kl_estimate(log_prob, ref_log_prob, kind[:-1])
+        k2 = 0.5 * (log_prob - ref_log_prob).square()
+        return k2 - k2.detach() + value.detach()
+    return _kl_estimate(log_prob, ref_log_prob, kind)
+
+
+def _kl_estimate(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     diff = log_prob - ref_log_prob
     if kind in ("kl", "k1"):
         return diff

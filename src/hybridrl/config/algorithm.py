@@ -11,6 +11,8 @@ ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
 ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 """verl's vectorized implementations of the same estimators (the same advantages): read as those."""
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = KL_KINDS + tuple(k + "+" for k in KL_KINDS)
+"""The estimators; with "+", verl's straight-through form (the estimator's value, k2's gradient)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engi
     (rejection sampling) sum to less than 1, as verl's normaliser counts those rows. The constant of
     seq-mean-token-sum-norm is not part of the share: agg_loss divides by it (the same on every micro-batch)."""
     sizes = [agg_loss_denominator(mb["response_mask"], mode) for mb in micro_batches]
+    if mode == "token-sum":  # no normaliser: each micro-batch's sum counts whole (0 or 1 here)
+        return sizes
     # verl's global_batch_size: the seq-mean modes divide by every row of the mini-batch, rows that rejection
     # sampling masked out included (a micro-batch's own agg_loss divides by its rows with a loss token)
     whole = sum(sizes) if mode == "token-mean" else sum(mb["response_mask"].shape[0] for mb in micro_batches)
