@@ -41,3 +41,13 @@ def test_resume_path_mode_reads_resume_from_path(tmp_path):
     assert load_config("", [f"trainer.resume_from_path={folder}"]).trainer.resume_mode == "auto"
     with pytest.raises(ConfigError, match="needs trainer.resume_from_path"):
         load_config("", ["trainer.resume_mode=resume_path"])
+
+
+def test_checkpoints_default_to_a_folder_per_experiment():
+    """verl: checkpoints/${project_name}/${experiment_name}; one shared folder let resume_mode=auto pick up another
+    experiment's checkpoint."""
+    import os
+
+    cfg = load_config("", ["trainer.project_name=p", "trainer.experiment_name=e"]).trainer
+    assert cfg.checkpoint_dir == os.path.join("outputs", "checkpoints", "p", "e")
+    assert load_config("", ["trainer.default_local_dir=/x/ck"]).trainer.checkpoint_dir == "/x/ck"

@@ -1,6 +1,7 @@
 """Sections trainer and sft: steps, logging, checkpoints, validation schedule; the supervised warm-up."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -39,8 +40,9 @@ class TrainerConfig:
     extra values per response); null: none."""
     validation_data_dir: Optional[str] = None
     """verl's: each validation's responses as <step>.jsonl here (step 0 before training); null: none."""
-    default_local_dir: str = "outputs/checkpoints"
-    """Where checkpoints go."""
+    default_local_dir: str = ""
+    """Where checkpoints go; empty: outputs/checkpoints/<project_name>/<experiment_name> (one folder per experiment,
+    as verl's checkpoints/${project_name}/${experiment_name}, so resume_mode=auto never finds another's)."""
     resume_mode: str = "auto"
     """auto (latest in default_local_dir), disable, a checkpoint path, or verl's resume_path (resume_from_path)."""
     resume_from_path: Optional[str] = None
@@ -76,6 +78,11 @@ class TrainerConfig:
     """Process-group timeout: a collective waiting this long for a rank that stopped fails the job."""
     hang_timeout_s: float = 1800
     """A phase running this long ends the run with one line naming rank and phase, stacks under log_dir; 0: off."""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """default_local_dir, or where empty outputs/checkpoints/<project_name>/<experiment_name>."""
+        return self.default_local_dir or os.path.join("outputs", "checkpoints", self.project_name, self.experiment_name)
 
     def __post_init__(self):
         if self.total_training_steps is None:  # verl's null: the epochs decide

@@ -230,7 +230,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     from hybridrl.trainer.roles import build_roles
 
     tc = cfg.trainer
-    ckpt = CheckpointManager(tc.default_local_dir, {"actor": tc.max_actor_ckpt_to_keep,
+    ckpt = CheckpointManager(tc.checkpoint_dir, {"actor": tc.max_actor_ckpt_to_keep,
                                                     "critic": tc.max_critic_ckpt_to_keep})
     # a bad path or no intact checkpoint fails before any model is built
     resume_from = None if dry_run else choose_checkpoint(ckpt, tc.resume_mode, tc.verify_checkpoint_digests)
@@ -301,7 +301,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
     from hybridrl.trainer.preemption import STOP_FILE, StopRequests, deadline, saves_at
 
     tc = cfg.trainer
-    stops = StopRequests(os.path.join(tc.default_local_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
+    stops = StopRequests(os.path.join(tc.checkpoint_dir, STOP_FILE), deadline(tc.max_runtime, tc.stop_margin_s))
     stops.clear_stop_file(ckpt.latest())
     code = 0
     bar = _progress(total, start, tc.progress_bar and le.rank == 0)

@@ -50,7 +50,7 @@ def init_model_folder(cfg: Config, vocab_size: int) -> str:
     from hybridrl.models.hf_checkpoint import random_hf_model_folder
 
     m = cfg.model
-    folder = os.path.join(cfg.trainer.default_local_dir, "init_hf")
+    folder = os.path.join(cfg.trainer.checkpoint_dir, "init_hf")
     fields = dict(seed=m.seed, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                   num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_key_value_heads, vocab_size=m.vocab_size or vocab_size,
