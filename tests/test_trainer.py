@@ -113,6 +113,25 @@ def test_remax_baseline_is_the_greedy_score(tmp_path):
     assert sum(d["score"] for d in train) / len(train) == pytest.approx(scalars["critic/score/mean"][1], rel=1e-6)
 
 
+def test_val_only_validates_and_ends(tmp_path):
+    """verl's trainer.val_only: the validation before training, logged at step 0, and nothing else (no step, no
+    checkpoint, no export); without validation files or val_before_train it is refused by name."""
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+
+    run_distributed(_train, 1, TINY, _overrides(tmp_path, [
+        "trainer.val_only=true", "trainer.val_before_train=true", "trainer.save_freq=1", "trainer.total_training_steps=2",
+        f"trainer.export_hf_dir={tmp_path}/hf", f"trainer.validation_data_dir={tmp_path}/val"]))
+    scalars = read_scalars(tmp_path)
+    assert set(scalars["val-core/synthetic/arith/acc/mean@1"]) == {0}
+    assert not [k for k in scalars if k.startswith("actor/")] and not list((tmp_path / "ckpt").glob("global_step_*"))
+    assert not (tmp_path / "hf").exists() and (tmp_path / "val" / "0.jsonl").exists()
+    with pytest.raises(ConfigError, match="needs trainer.val_before_train=true"):
+        load_config(TINY, ["trainer.val_only=true", "trainer.val_before_train=false"])
+    with pytest.raises(ConfigError, match="set data.val_files"):
+        load_config(TINY, ["trainer.val_only=true", "data.val_files=[]"])
+
+
 # What the single-process run a layout is compared with shares with it: the estimator and what changes the
 # model or the loss (recomputation, offloading and token-budget micro-batches change neither).
 SAME_MATH = ("actor.use_kl_loss=true", "model.tie_word_embeddings=false")

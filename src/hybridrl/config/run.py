@@ -27,6 +27,8 @@ class TrainerConfig:
     test_freq: int = 10
     """Validate every this many steps and at the last; 0 or below (verl's -1) never during training (verl's
     default is -1; this one validates every 10 steps unless told not to)."""
+    val_only: bool = False
+    """verl's evaluation run: validate before training (val_before_train) and end there: no step, no checkpoint."""
     val_before_train: bool = True
     """Validate once before training: at step 0, or at the step a resumed run goes on from (as verl)."""
     save_freq: int = 0
@@ -92,6 +94,8 @@ class TrainerConfig:
                                                "global_step_N folder>")
             object.__setattr__(self, "resume_mode", self.resume_from_path)
         check(self.total_training_steps >= 0, "trainer.total_training_steps must be >= 0")
+        check(not self.val_only or self.val_before_train, "trainer.val_only=true validates before training and "
+                                                          "stops: it needs trainer.val_before_train=true")
         check(self.test_freq >= -1, "trainer.test_freq must be >= 1, or 0 / -1 (never during training)")
         check(self.log_freq >= 1, "trainer.log_freq must be >= 1")
         check(self.dist_timeout_s > 0, "trainer.dist_timeout_s must be > 0 (seconds)")

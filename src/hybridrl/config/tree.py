@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridrl.config.algorithm import AlgorithmConfig
+from hybridrl.config.checks import check
 from hybridrl.config.model import DataConfig, ModelConfig, ParallelConfig
 from hybridrl.config.placement import AsyncTrainingConfig, PlacementConfig
 from hybridrl.config.reward import RewardConfig, RewardModelConfig
@@ -31,3 +32,5 @@ class Config:
     def __post_init__(self):
         # the critic's unset batch and loss settings are the actor's, as verl's config interpolates them
         object.__setattr__(self, "critic", self.critic.inheriting(self.actor))
+        check(not self.trainer.val_only or bool(self.data.val_files),
+              "trainer.val_only=true validates and stops: set data.val_files to the prompts to validate on")

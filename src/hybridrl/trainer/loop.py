@@ -265,7 +265,9 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
     watchdog = Watchdog(tc.hang_timeout_s, tc.log_dir, dist.get_rank())
     trainer.timer.on_enter, trainer.timer.on_leave = watchdog.enter, watchdog.leave
     last = _run_steps(cfg, train_loader)
-    if last < total:
+    if tc.val_only:  # verl's evaluation run: the validation above, then the run ends (no step, no checkpoint)
+        last = start
+    elif last < total:
         print0(f"trainer.total_epochs={tc.total_epochs} over {len(train_loader)} batches ends the run at step {last}, "
                f"before trainer.total_training_steps={total} (as verl); raise total_epochs to run them all")
     with _naming_dead_ranks(watchdog):
@@ -365,7 +367,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
     _print_val_trend(val_history)
     if profile and profile_steps:
         _print_profile_average(profile_steps)
-    if tc.export_hf_dir and not code:
+    if tc.export_hf_dir and not code and not tc.val_only:
         _export_hf(trainer, tc.export_hf_dir)
     writer.close()
     stops.restore()
