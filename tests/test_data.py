@@ -330,3 +330,30 @@ def test_make_synthetic_data_script(tmp_path):
     main(["--output_dir", str(tmp_path), "--n_train", "12", "--n_test", "3", "--seed", "5"])
     assert pq.read_table(tmp_path / "train.parquet").num_rows == 12
     assert pq.read_table(tmp_path / "test.parquet").num_rows == 3
+
+
+@pytest.mark.parametrize("suffix,array", [(".jsonl", False), (".json", True), (".json", False)])
+def test_json_files_read_as_the_same_parquet_rows(tmp_path, tok, suffix, array):
+    """verl also reads .json / .jsonl data files (its load_dataset("json")): the same rows as JSON give the same
+    prompts, ground truths and extra_info as the parquet file (an array or one record per line)."""
+    import json
+
+    rows = [row(f"{i}+{i}=", str(2 * i), i) for i in range(5)]
+    parquet = tmp_path / "rows.parquet"
+    write(str(parquet), rows)
+    path = tmp_path / f"rows{suffix}"
+    path.write_text(json.dumps(rows) if array else "\n".join(json.dumps(r) for r in rows) + "\n")
+    want, got = (PromptDataset([str(p)], tok, DataConfig()) for p in (parquet, path))
+    assert [(r.input_ids, r.ground_truth, r.extra_info, r.data_source) for r in got.rows] == \
+        [(r.input_ids, r.ground_truth, r.extra_info, r.data_source) for r in want.rows]
+
+
+def test_malformed_json_names_the_line(tmp_path, tok):
+    import json
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row("1+1=")) + "\n{not json\n")
+    assert "line 2 is not a JSON record" in _error(tmp_path, tok, str(path))
+    listed = tmp_path / "list.jsonl"
+    listed.write_text(json.dumps(row("1+1=")) + "\n[1, 2]\n")
+    assert "row 1 is a list, not an object" in _error(tmp_path, tok, str(listed))

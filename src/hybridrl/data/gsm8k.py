@@ -7,11 +7,10 @@ Local paths only; this module never downloads.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any, Dict, List, Sequence
 
-from hybridrl.data.prompts import DataError, read_parquet_table, write_prompt_parquet
+from hybridrl.data.prompts import DataError, json_records, read_data_table, write_prompt_parquet
 
 GSM8K_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -36,36 +35,13 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> Dict[str, A
     }
 
 
-def _json_records(path: str) -> List[Any]:
-    """The records of a .jsonl file (one object per line) or a .json file (one array of objects, or jsonl)."""
-    with open(path) as f:
-        text = f.read()
-    if path.endswith(".json"):
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:
-            whole = None  # jsonl named .json
-        if isinstance(whole, list):
-            return whole
-    records = []
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DataError(f"'{path}' line {line_no} is not JSON ({e}); GSM8k jsonl has "
-                            "one {\"question\", \"answer\"} object per line") from e
-    return records
-
-
 def read_gsm8k_records(path: str) -> List[Dict[str, Any]]:
     """(question, answer) records of one jsonl, json or parquet file, checked."""
     if path.endswith(".parquet"):
-        records = read_parquet_table(path, "GSM8k file", "pass local train/test files or their folder",
+        records = read_data_table(path, "GSM8k file", "pass local train/test files or their folder",
                                      "GSM8k parquet has string columns 'question' and 'answer'").to_pylist()
     else:
-        records = _json_records(path)
+        records = json_records(path, "GSM8k file")
     for i, r in enumerate(records):
         if not isinstance(r, dict):
             raise DataError(f"'{path}' row {i} is a {type(r).__name__}, not an object; GSM8k rows are "

@@ -87,24 +87,60 @@ def collate(rows: Sequence[PromptRow], pad_id: int, length: Optional[int] = None
                        [r.index for r in rows], [r.messages for r in rows])
 
 
-def read_parquet_table(path: str, what: str, missing_fix: str, layout_fix: str):
-    """One parquet file as a pyarrow Table ('~' expanded); a missing or unreadable file is one DataError."""
+def read_data_table(path: str, what: str, missing_fix: str, layout_fix: str):
+    """One data file as a pyarrow Table ('~' expanded): parquet, or as verl also reads, JSON (`.json`: an array of
+    records, or one record per line; `.jsonl`: one per line). A missing or unreadable file is one DataError."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise DataError(f"{what} '{path}' does not exist; {missing_fix}")
+    if path.endswith((".json", ".jsonl")):
+        records = json_records(path, what)
+        bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise DataError(f"{what} '{path}' row {bad} is a {type(records[bad]).__name__}, not an object of named "
+                            f"fields; {layout_fix}")
+        try:
+            return pa.Table.from_pylist(records)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise DataError(f"{what} '{path}': its records do not share one layout ({e}); give every record the "
+                            f"same keys with values of the same type, and {layout_fix}") from e
     try:
         return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{what} '{path}' is not a parquet file ({e}); convert it to parquet, "
-                        f"e.g. pyarrow.parquet.write_table, and {layout_fix}") from e
+                        f"e.g. pyarrow.parquet.write_table, or to JSON lines (.jsonl), and {layout_fix}") from e
+
+
+def json_records(path: str, what: str) -> List[Any]:
+    """The records of a .jsonl file (one per line) or a .json file (an array, or one record per line); a
+    malformed one is one DataError naming the line."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{what} '{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix it, or write one "
+                            "record per line") from e
+    records = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{what} '{path}' line {n} is not a JSON record ({e.msg}); write one JSON object "
+                                "per line") from e
+    return records
 
 
 def read_parquet_records(path: str, prompt_key: str) -> List[Dict[str, Any]]:
     """Rows of one parquet file as dicts, after checking the file and its columns."""
-    table = read_parquet_table(path, "data file", "fix data.train_files/data.val_files, or create it "
+    table = read_data_table(path, "data file", "fix data.train_files/data.val_files, or create it "
                                "(scripts/prepare_gsm8k.py for GSM8K), or set data.synthetic_task=arith to generate "
                                "the synthetic demo task there", _LAYOUT_FIX)
     for column in (prompt_key,) + REQUIRED_COLUMNS:

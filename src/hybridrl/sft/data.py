@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 
 from hybridrl.config import SFTConfig
-from hybridrl.data.prompts import DataError, read_parquet_table, shard_bounds
+from hybridrl.data.prompts import DataError, read_data_table, shard_bounds
 from hybridrl.tokenizer import Tokenizer
 
 logger = logging.getLogger("hybridrl.sft")
@@ -30,7 +30,7 @@ def read_trajectories(path: str, key: str, setting: str = "sft.train_files") -> 
     """The `key` column of one parquet file, after checking the file and the column."""
     fix = (f"fix {setting}" + (" or set sft.synthetic_task=arith (or arith_tools) to generate demonstrations "
                                "there" if setting == "sft.train_files" else ""))
-    table = read_parquet_table(path, "SFT data file", fix, _ROW_FIX)
+    table = read_data_table(path, "SFT data file", fix, _ROW_FIX)
     if key not in table.column_names:
         raise DataError(f"SFT data file '{path}' has no column '{key}' (it has {table.column_names}); "
                         f"set sft.messages_key or {_ROW_FIX}")
