@@ -326,6 +326,7 @@ def test_agg_loss_denominator_shares_add_up(mode):
     mask = (torch.arange(5)[None] < torch.tensor([3, 0, 5, 1, 0, 2, 4])[:, None]).float()
     parts = [(0, 2), (2, 3), (3, 7)]
     total = sum(algos.agg_loss_denominator(mask[a:b], mode) for a, b in parts)
+    total = 1.0 if mode == "token-sum" else total  # token-sum: each part's sum counts whole (share 0 or 1)
     split = sum(algos.agg_loss_denominator(mask[a:b], mode) / total * agg_loss(loss[a:b], mask[a:b], mode, 5)
                 for a, b in parts)
     close(split, agg_loss(loss, mask, mode, 5), tol=1e-7)
@@ -341,8 +342,8 @@ def test_agg_loss_unknown_and_config_modes():
     from hybridrl.config import LOSS_AGG_MODES
     assert tuple(algos.LOSS_AGG_MODES) == tuple(LOSS_AGG_MODES)
     with pytest.raises(ValueError) as e:
-        agg_loss(AGG_LOSS, AGG_MASK, "token-sum")
-    assert "token-sum" in str(e.value) and "seq-mean-token-sum-norm" in str(e.value)
+        agg_loss(AGG_LOSS, AGG_MASK, "token-total")
+    assert "token-total" in str(e.value) and "seq-mean-token-sum-norm" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- policy loss

@@ -8,6 +8,8 @@ sign. References: the single micro-batch run at DP=1, and the losses `algos` com
 mini-batch with log-probs taken before the update (the seq-mean modes over all 8 rows, as verl's trainer). A copy of the batch trimmed to its longest
 response must give the same seq-mean-token-sum-norm update (the divisor is a constant).
 """
+import functools
+
 import pytest
 import torch
 
@@ -15,12 +17,16 @@ from dist_helper import run_distributed
 from models_helper import padded_rl_rows
 
 B, P, R = 8, 5, 6
-MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo")
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo",
+         "cispo", "gpg", "dro")
+LOSSES = {"gspo": "seq-mean-token-mean", "cispo": "token-mean", "gpg": "seq-mean-token-sum", "dro": "token-mean"}
+"""Policy losses other than vanilla, each with an aggregation."""
+DRO_BETA = 0.5
 
 
 def _modes(mode):
-    """(actor.policy_loss.loss_mode, loss_agg_mode) of a case; "gspo" is GSPO with its recipe's aggregation."""
-    return ("gspo", "seq-mean-token-mean") if mode == "gspo" else ("vanilla", mode)
+    """(actor.policy_loss.loss_mode, loss_agg_mode) of a case: a loss of LOSSES with its aggregation, or vanilla."""
+    return (mode, LOSSES[mode]) if mode in LOSSES else ("vanilla", mode)
 
 
 def _batch(vocab):
@@ -55,7 +61,8 @@ def _update(folder, groups, batch, mode, micro):
     loss_mode, mode = _modes(mode)
     optim = OptimConfig(lr=1e-2, eps=1.0, clip_grad=0.0)
     acfg = ActorConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode, entropy_coeff=0.01,
-                       use_kl_loss=True, kl_loss_coef=0.1, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+                       use_kl_loss=True, kl_loss_coef=0.1,
+                       policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=DRO_BETA if loss_mode == "dro" else None))
     ccfg = Config(critic=CriticConfig(optim=optim, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode)).critic
     model, spec = model_from_hf(folder, groups)
     module = wrap_trainable(model, Config())
@@ -112,9 +119,13 @@ def _expected_losses(ref, mode):
     b = _batch(97)
     mask = b["response_mask"]
     loss_mode, mode = _modes(mode)
-    loss_fn = algos.gspo_policy_loss if loss_mode == "gspo" else algos.policy_loss
-    pg, _ = loss_fn(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, clip_low=0.2, clip_high=0.2,
-                    agg_mode=mode, loss_scale_factor=R)
+    from hybridrl.algos import token_losses
+
+    loss_fn = {"gspo": functools.partial(algos.gspo_policy_loss, clip_low=0.2, clip_high=0.2),
+               "cispo": functools.partial(token_losses.cispo_policy_loss, clip_low=0.2, clip_high=0.2),
+               "gpg": token_losses.gpg_policy_loss, "dro": functools.partial(token_losses.dro_policy_loss, beta=DRO_BETA),
+               "vanilla": functools.partial(algos.policy_loss, clip_low=0.2, clip_high=0.2)}[loss_mode]
+    pg, _ = loss_fn(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, agg_mode=mode, loss_scale_factor=R)
     kl = algos.agg_loss(algos.kl_penalty(ref["log_probs"], b["ref_log_probs"], "low_var_kl"), mask, mode, R)
     # agg_loss of one batch leaves the row without a loss token out of the seq-mean; verl's trainer divides by
     # every row of the mini-batch (its global_batch_size)

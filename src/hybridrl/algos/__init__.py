@@ -10,19 +10,21 @@ another hybridrl package: callers reduce across ranks themselves, so the same co
 driver, workers and tests.
 """
 
-from typing import Callable, Dict, Hashable, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from hybridrl.algos.aggregation import LOSS_AGG_MODES, agg_loss, agg_loss_denominator
+from hybridrl.algos.group_estimators import (GroupIndex, _group_mean_std, compute_gpg_advantages,
+                                             compute_grpo_passk_advantages, compute_opo_advantages)
 from hybridrl.algos.masked import WHITEN_EPS, _mask_like, masked_mean, masked_sum, masked_var, masked_whiten
 from hybridrl.algos.rollout_correction import (compute_rollout_correction_and_rejection_mask,
                                                rollout_probs_diff_metrics)
 
 Tensor = torch.Tensor
-GroupIndex = Union[Sequence[Hashable], Tensor]
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = KL_KINDS + tuple(k + "+" for k in KL_KINDS)  # "+": straight-through (kl_penalty)
 
 
 # ----------------------------------------------------------------------------- advantage estimators
@@ -54,37 +56,6 @@ def compute_gae_advantages(token_rewards: Tensor, values: Tensor, response_mask:
     advantages, returns = gae_returns(token_rewards, values, response_mask, gamma, lam)
     m = _mask_like(response_mask, values)
     return masked_whiten(advantages, m) * m, returns
-
-
-def _group_ids(group_index: GroupIndex, batch: int, device) -> Tuple[Tensor, Tensor, Tensor]:
-    """Map per-row ids to (one-hot [G, B] bool, group sizes [G], group of each row [B])."""
-    if isinstance(group_index, Tensor):
-        _, inverse = torch.unique(group_index.reshape(-1), return_inverse=True)
-        inverse = inverse.to(device)
-    else:
-        seen: Dict[Hashable, int] = {}
-        inverse = torch.tensor([seen.setdefault(g, len(seen)) for g in group_index],
-                               dtype=torch.long, device=device)
-    if inverse.numel() != batch:
-        raise ValueError(f"group_index has {inverse.numel()} entries, expected {batch}")
-    groups = int(inverse.max().item()) + 1 if batch else 0
-    # One-hot reductions (rather than index_add atomics) keep GPU results deterministic.
-    onehot = torch.arange(groups, device=device)[:, None] == inverse[None, :]
-    return onehot, onehot.sum(dim=1), inverse
-
-
-def _group_mean_std(scores: Tensor, group_index: GroupIndex) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-row group mean, unbiased std and group size; singletons get mean 0, std 1."""
-    onehot, sizes, row_group = _group_ids(group_index, scores.shape[0], scores.device)
-    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
-    n = sizes.to(scores.dtype)
-    mean_g = torch.where(onehot, scores[None, :], zero).sum(dim=1) / n
-    dev = scores - mean_g[row_group]
-    var_g = torch.where(onehot, dev[None, :] ** 2, zero).sum(dim=1) / (n - 1).clamp(min=1)
-    single = sizes == 1
-    mean_g = torch.where(single, zero, mean_g)
-    std_g = torch.where(single, torch.ones_like(var_g), var_g.sqrt())
-    return mean_g[row_group], std_g[row_group], n[row_group]
 
 
 def compute_grpo_advantages(scores: Tensor, response_mask: Tensor, group_index: GroupIndex,
@@ -149,6 +120,9 @@ ADV_ESTIMATORS: Dict[str, Callable] = {
     "reinforce_plus_plus": compute_reinforce_pp_advantages,
     "reinforce_plus_plus_baseline": compute_reinforce_pp_baseline_advantages,
     "remax": compute_remax_advantages,
+    "grpo_passk": compute_grpo_passk_advantages,
+    "opo": compute_opo_advantages,
+    "gpg": compute_gpg_advantages,
 }
 
 
@@ -187,8 +161,8 @@ def compute_advantages(name: str, *, token_rewards: Optional[Tensor] = None, sco
         need(token_rewards=token_rewards, baseline_scores=baseline_scores)
         return compute_remax_advantages(token_rewards, baseline_scores, response_mask)
     need(scores=scores, group_index=group_index)
-    if name == "grpo":
-        return compute_grpo_advantages(scores, response_mask, group_index, norm_by_std=norm_by_std)
+    if name in ("grpo", "grpo_passk"):
+        return ADV_ESTIMATORS[name](scores, response_mask, group_index, norm_by_std=norm_by_std)
     return ADV_ESTIMATORS[name](scores, response_mask, group_index)
 
 
@@ -204,48 +178,6 @@ def token_rewards_from_scores(scores: Tensor, response_mask: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- losses
-
-
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, loss_scale_factor: Optional[float] = None) -> Tensor:
-    """Reduce a [B, T] token loss to a scalar, as verl 0.9.1's `core_algos.agg_loss` on one batch.
-
-    token-mean: sum over the loss tokens / their count. token-sum: their sum (a mini-batch's loss is the sum
-    over all of its tokens, on every DP rank together, as verl's). seq-mean-token-sum / -token-mean: the mean,
-    over the rows that have at least one loss token (fully masked rows are left out, as verl does),
-    of each row's token sum / token mean. seq-mean-token-sum-norm (Dr. GRPO): seq-mean-token-sum
-    divided by a constant, `loss_scale_factor`, else the width T of `mask` (verl's default; callers
-    that trim micro-batches pass the configured response length). Where verl divides 0 by 0 (no loss
-    token at all) this returns 0, never NaN.
-    """
-    m = _mask_like(mask, loss_mat)
-    if mode == "token-mean":
-        return masked_mean(loss_mat, m)
-    if mode == "token-sum":
-        return masked_sum(loss_mat, m)
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
-    tokens = m.sum(dim=-1)
-    row_loss = masked_sum(loss_mat, m, dim=-1)
-    if mode == "seq-mean-token-mean":
-        row_loss = row_loss / (tokens + 1e-8)  # verl's epsilon (a no-op in fp32 for a row with tokens)
-    rows = (tokens > 0).to(loss_mat.dtype)
-    loss = (row_loss * rows).sum() / rows.sum().clamp(min=1)
-    if mode == "seq-mean-token-sum-norm":
-        loss = loss / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return loss
-
-
-def agg_loss_denominator(mask: Tensor, mode: str) -> float:
-    """What agg_loss divides by before any constant: loss tokens (token-mean) or rows with a loss
-    token (seq-mean-*). A micro-batch's share of the mini-batch normaliser is its denominator over
-    the sum of all of them, which makes sum(share * agg_loss(micro-batch)) = agg_loss(mini-batch). token-sum has
-    none (1 where the micro-batch holds a loss token): every micro-batch's sum counts whole."""
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
-    tokens = (mask != 0).sum(dim=-1)
-    if mode == "token-sum":
-        return float(tokens.sum() > 0)
-    return float(tokens.sum()) if mode == "token-mean" else float((tokens > 0).sum())
 
 
 def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,

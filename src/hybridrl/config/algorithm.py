@@ -7,7 +7,8 @@ from typing import Optional, Union
 from hybridrl.config.checks import check, one_of
 
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk",
+                  "opo", "gpg")
 ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 """verl's vectorized implementations of the same estimators (the same advantages): read as those."""
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -125,7 +126,8 @@ class FilterGroupsConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """gae (PPO with critic; verl's default), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."""
+    """gae (PPO with critic; verl's default), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax,
+    grpo_passk, opo, gpg (grpo_vectorized / rloo_vectorized read as grpo / rloo)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0

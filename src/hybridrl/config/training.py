@@ -55,17 +55,23 @@ class OffloadConfig:
 
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSS_MODES = ("vanilla", "gspo")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dro")
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """vanilla (dual-clip PPO on token ratios) or gspo (one clipped ratio per sequence; use clip
-    ranges near 3e-4 / 4e-4 and loss_agg_mode seq-mean-token-mean, as verl's GSPO recipe)."""
+    """vanilla (dual-clip PPO on token ratios), gspo (one clipped ratio per sequence; use clip ranges near 3e-4 /
+    4e-4 and loss_agg_mode seq-mean-token-mean, as verl's GSPO recipe), cispo (clipped importance weights held
+    constant, MiniMax-M1), gpg (the plain policy gradient; with adv_estimator gpg) or dro (a policy gradient
+    with a quadratic log-ratio penalty, dro_beta)."""
+    dro_beta: Optional[float] = None
+    """DRO's penalty weight (> 0; required with loss_mode dro, as verl)."""
 
     def __post_init__(self):
         one_of("actor.policy_loss.loss_mode", self.loss_mode, POLICY_LOSS_MODES)
+        check(self.loss_mode != "dro" or (self.dro_beta or 0) > 0,
+              "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (the log-ratio penalty weight)")
 
 
 @dataclass(frozen=True)

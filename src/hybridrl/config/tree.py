@@ -32,5 +32,7 @@ class Config:
     def __post_init__(self):
         # the critic's unset batch and loss settings are the actor's, as verl's config interpolates them
         object.__setattr__(self, "critic", self.critic.inheriting(self.actor))
+        check(self.algorithm.adv_estimator != "grpo_passk" or self.rollout.n >= 2,
+              "algorithm.adv_estimator=grpo_passk compares each prompt's best two responses: set rollout.n >= 2")
         check(not self.trainer.val_only or bool(self.data.val_files),
               "trainer.val_only=true validates and stops: set data.val_files to the prompts to validate on")

@@ -13,6 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from hybridrl import algos
+from hybridrl.algos import token_losses
 from hybridrl.config import ActorConfig, Config, RolloutCorrectionConfig
 from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
@@ -96,6 +97,20 @@ UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old
                "ref_log_probs", "rollout_is_weights", "routed_experts")
 
 
+def _surrogate(cfg: ActorConfig):
+    """The policy loss of actor.policy_loss.loss_mode with this actor's clip settings."""
+    mode, clip = cfg.policy_loss.loss_mode, dict(clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high)
+    if mode == "gspo":
+        return functools.partial(algos.gspo_policy_loss, **clip)
+    if mode == "cispo":
+        return functools.partial(token_losses.cispo_policy_loss, **clip)
+    if mode == "gpg":
+        return token_losses.gpg_policy_loss
+    if mode == "dro":
+        return functools.partial(token_losses.dro_policy_loss, beta=cfg.policy_loss.dro_beta)
+    return functools.partial(algos.policy_loss, clip_c=cfg.clip_ratio_c, **clip)
+
+
 class ActorWorker(LogProbWorker):
     def __init__(self, engine: ModelEngine, optimizer, cfg: ActorConfig, vocab_size: int, temperature: float,
                  max_response_length: int):
@@ -111,12 +126,7 @@ class ActorWorker(LogProbWorker):
         """(loss, token stats, rollout_corr/ metrics of bypass mode). Decoupled mode: the batch's IS weights
         (the trainer's rollout correction, if any) on the surrogate; its rejections are in the mask already."""
         cfg, mask, mode = self.cfg, mb["response_mask"], self.cfg.loss_agg_mode
-        if cfg.policy_loss.loss_mode == "gspo":
-            surrogate = functools.partial(algos.gspo_policy_loss, clip_low=cfg.clip_ratio_low,
-                                          clip_high=cfg.clip_ratio_high)
-        else:
-            surrogate = functools.partial(algos.policy_loss, clip_low=cfg.clip_ratio_low,
-                                          clip_high=cfg.clip_ratio_high, clip_c=cfg.clip_ratio_c)
+        surrogate = _surrogate(cfg)
         common = dict(agg_mode=mode, loss_scale_factor=self.loss_scale_factor)
         if self.bypass is None:
             loss, stats = surrogate(old_log_probs, log_probs, mb["advantages"], mask,

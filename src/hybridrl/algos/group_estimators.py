@@ -1,0 +1,93 @@
+"""Outcome advantages measured within each prompt's group of responses: the group statistics GRPO, RLOO and
+REINFORCE++-baseline share, and verl 0.9.1's pass@k GRPO, OPO and GPG estimators.
+
+Every estimator takes per-response scores [B], the response mask [B, T] and a group id per response, and
+returns (advantages, returns) [B, T], the advantage on every loss token. Pure tensor math, as the rest of
+`hybridrl.algos`.
+"""
+from typing import Dict, Hashable, Sequence, Tuple, Union
+
+import torch
+
+from hybridrl.algos.masked import _mask_like
+
+Tensor = torch.Tensor
+GroupIndex = Union[Sequence[Hashable], Tensor]
+
+
+def _group_ids(group_index: GroupIndex, batch: int, device) -> Tuple[Tensor, Tensor, Tensor]:
+    """Map per-row ids to (one-hot [G, B] bool, group sizes [G], group of each row [B])."""
+    if isinstance(group_index, Tensor):
+        _, inverse = torch.unique(group_index.reshape(-1), return_inverse=True)
+        inverse = inverse.to(device)
+    else:
+        seen: Dict[Hashable, int] = {}
+        inverse = torch.tensor([seen.setdefault(g, len(seen)) for g in group_index],
+                               dtype=torch.long, device=device)
+    if inverse.numel() != batch:
+        raise ValueError(f"group_index has {inverse.numel()} entries, expected {batch}")
+    groups = int(inverse.max().item()) + 1 if batch else 0
+    # One-hot reductions (rather than index_add atomics) keep GPU results deterministic.
+    onehot = torch.arange(groups, device=device)[:, None] == inverse[None, :]
+    return onehot, onehot.sum(dim=1), inverse
+
+
+def _group_mean_std(scores: Tensor, group_index: GroupIndex) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-row group mean, unbiased std and group size; singletons get mean 0, std 1."""
+    onehot, sizes, row_group = _group_ids(group_index, scores.shape[0], scores.device)
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    n = sizes.to(scores.dtype)
+    mean_g = torch.where(onehot, scores[None, :], zero).sum(dim=1) / n
+    dev = scores - mean_g[row_group]
+    var_g = torch.where(onehot, dev[None, :] ** 2, zero).sum(dim=1) / (n - 1).clamp(min=1)
+    single = sizes == 1
+    mean_g = torch.where(single, zero, mean_g)
+    std_g = torch.where(single, torch.ones_like(var_g), var_g.sqrt())
+    return mean_g[row_group], std_g[row_group], n[row_group]
+
+
+def _members(group_index: GroupIndex, batch: int, device) -> list:
+    """The row indices of each group, groups in order of first appearance."""
+    onehot, _, _ = _group_ids(group_index, batch, device)
+    return [torch.nonzero(row).reshape(-1) for row in onehot]
+
+
+def compute_grpo_passk_advantages(scores: Tensor, response_mask: Tensor, group_index: GroupIndex,
+                                  eps: float = 1e-6, norm_by_std: bool = True) -> Tuple[Tensor, Tensor]:
+    """Pass@k training (Chen et al. 2025, verl's grpo_passk): only each group's best response gets an advantage,
+    its margin over the second best (/ the group's unbiased std + eps when norm_by_std); the others get 0. The
+    best is torch.topk's first pick, as verl's. A group needs at least two responses."""
+    adv = torch.zeros_like(scores)
+    for rows in _members(group_index, scores.shape[0], scores.device):
+        group = scores[rows]
+        if group.numel() < 2:
+            raise ValueError(f"grpo_passk needs at least 2 responses per prompt (rollout.n >= 2); a group has "
+                             f"{group.numel()}")
+        top, where = torch.topk(group, 2)
+        margin = top[0] - top[1]
+        adv[rows[where[0]]] = margin / (torch.std(group) + eps) if norm_by_std else margin
+    adv = adv[:, None] * _mask_like(response_mask, scores)
+    return adv, adv
+
+
+def compute_opo_advantages(scores: Tensor, response_mask: Tensor, group_index: GroupIndex) -> Tuple[Tensor, Tensor]:
+    """OPO (Hao et al. 2025, verl's opo): the score minus its group's length-weighted mean score (the optimal
+    baseline under the paper's assumptions), lengths counted in loss tokens; a single response has baseline 0."""
+    lengths = _mask_like(response_mask, scores).sum(dim=-1)
+    baseline = torch.zeros_like(scores)
+    for rows in _members(group_index, scores.shape[0], scores.device):
+        if rows.numel() > 1:
+            baseline[rows] = (lengths[rows] * scores[rows]).sum() / lengths[rows].sum()
+    adv = (scores - baseline)[:, None] * _mask_like(response_mask, scores)
+    return adv, adv
+
+
+def compute_gpg_advantages(scores: Tensor, response_mask: Tensor, group_index: GroupIndex,
+                           f_norm: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025, verl's gpg): (score - group mean) / f_norm, times alpha = responses / responses
+    with a nonzero score over the whole batch (the correction for groups that carry no signal); a single
+    response has mean 0."""
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    mean, _, _ = _group_mean_std(scores, group_index)
+    adv = (alpha * (scores - mean) / f_norm)[:, None] * _mask_like(response_mask, scores)
+    return adv, adv

@@ -1,0 +1,60 @@
+"""Policy losses without PPO's clipped surrogate, as verl 0.9.1 registers them: CISPO, GPG and DRO.
+
+Each takes (old log-probs, log-probs, advantages, response mask) [B, T] and the aggregation of
+`hybridrl.algos.aggregation`, multiplies each token's loss by its rollout IS weight where given (the
+trainer's rollout correction), and returns (the aggregated loss, detached token statistics).
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from hybridrl.algos.aggregation import agg_loss
+from hybridrl.algos.masked import _mask_like, masked_mean
+
+Tensor = torch.Tensor
+
+
+def _aggregate(losses: Tensor, m: Tensor, is_weights: Optional[Tensor], agg_mode: str,
+               loss_scale_factor: Optional[float]) -> Tensor:
+    return agg_loss(losses * is_weights if is_weights is not None else losses, m, agg_mode, loss_scale_factor)
+
+
+def cispo_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                      clip_low: float = 0.2, clip_high: float = 0.2, agg_mode: str = "token-mean",
+                      rollout_is_weights: Optional[Tensor] = None,
+                      loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): -sg(clip(ratio, 1 - low, 1 + high)) * A * log pi per token. The clipped
+    importance weight is a constant, so every token keeps its gradient (PPO's clip drops a clipped token's);
+    pg_clipfrac counts the tokens whose weight was clipped."""
+    m = _mask_like(response_mask, log_prob)
+    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    losses = -weight.detach() * advantages * log_prob
+    stats = {"pg_clipfrac": masked_mean((ratio != weight).to(m.dtype), m), "ppo_kl": masked_mean(-log_ratio, m),
+             "pg_clipfrac_lower": torch.zeros((), dtype=m.dtype, device=m.device)}
+    return (_aggregate(losses, m, rollout_is_weights, agg_mode, loss_scale_factor),
+            {k: v.detach() for k, v in stats.items()})
+
+
+def gpg_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                    agg_mode: str = "token-mean", rollout_is_weights: Optional[Tensor] = None,
+                    loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GPG (Chu et al. 2025): the plain policy gradient, -A * log pi per token; no ratio, no clip, no statistics
+    (verl's returns none)."""
+    m = _mask_like(response_mask, log_prob)
+    return _aggregate(-log_prob * advantages, m, rollout_is_weights, agg_mode, loss_scale_factor), {}
+
+
+def dro_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                    beta: float = 0.0, agg_mode: str = "token-mean", rollout_is_weights: Optional[Tensor] = None,
+                    loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """DRO (direct reward optimisation): -(A * log pi - beta / 2 * (log pi - log pi_old)^2) per token, a
+    policy gradient held near the old policy by a quadratic penalty on the log-ratio (beta > 0)."""
+    if beta <= 0:
+        raise ValueError(f"DRO needs actor.policy_loss.dro_beta > 0, got {beta}")
+    m = _mask_like(response_mask, log_prob)
+    log_ratio = log_prob - old_log_prob
+    losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    return (_aggregate(losses, m, rollout_is_weights, agg_mode, loss_scale_factor),
+            {"ppo_kl": masked_mean(-log_ratio, m).detach()})

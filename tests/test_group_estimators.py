@@ -1,0 +1,74 @@
+"""verl 0.9.1's grpo_passk, opo and gpg advantage estimators and its cispo, gpg and dro policy losses, by hand."""
+import pytest
+import torch
+
+from hybridrl import algos
+from hybridrl.algos import token_losses
+
+SCORES = torch.tensor([1.0, 0.0, 3.0, 2.0, 5.0, 5.0])
+GROUPS = [0, 0, 0, 1, 1, 1]
+MASK = torch.ones(6, 3)
+MASK[1, 2:] = 0  # row 1 has 2 loss tokens
+
+
+def _adv(name, **kw):
+    adv, returns = algos.compute_advantages(name, scores=SCORES, response_mask=MASK, group_index=GROUPS, **kw)
+    assert torch.equal(adv, returns) and torch.equal(adv * MASK, adv)
+    return adv[:, 0]
+
+
+def test_passk_gives_the_best_its_margin_over_the_second():
+    std0 = torch.tensor([1.0, 0.0, 3.0]).std()  # unbiased, as torch.std
+    assert _adv("grpo_passk").tolist() == pytest.approx([0, 0, 2 / (std0.item() + 1e-6), 0, 0, 0])
+    assert _adv("grpo_passk", norm_by_std=False).tolist() == [0, 0, 2, 0, 0, 0]  # tied best: margin 0
+    with pytest.raises(ValueError, match="at least 2 responses"):
+        algos.compute_advantages("grpo_passk", scores=SCORES[:3], response_mask=MASK[:3], group_index=[0, 1, 1])
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    # group 0: lengths 3, 2, 3 -> (3*1 + 2*0 + 3*3) / 8 = 1.5; group 1: equal lengths -> 4
+    assert _adv("opo").tolist() == pytest.approx([-0.5, -1.5, 1.5, -2.0, 1.0, 1.0])
+    single, _ = algos.compute_advantages("opo", scores=SCORES[:2], response_mask=MASK[:2], group_index=[0, 1])
+    assert single[:, 0].tolist() == [1.0, 0.0]  # a lone response has baseline 0
+
+
+def test_gpg_scales_by_the_share_of_nonzero_scores():
+    alpha = 6 / 5  # one of six scores is 0
+    want = [alpha * (s - m) for s, m in zip(SCORES.tolist(), [4 / 3] * 3 + [4.0] * 3)]
+    assert _adv("gpg").tolist() == pytest.approx(want)
+
+
+def _grad(loss_fn, **kw):
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+    log_prob = torch.tensor([[-0.5, -2.0], [-1.5, -1.4]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    loss, stats = loss_fn(old, log_prob, adv, torch.ones(2, 2), agg_mode="token-mean", **kw)
+    loss.backward()
+    return loss, log_prob.grad, stats, (log_prob - old).detach(), adv
+
+
+def test_cispo_weights_the_gradient_by_the_clipped_ratio_held_constant():
+    loss, grad, stats, log_ratio, adv = _grad(token_losses.cispo_policy_loss, clip_low=0.2, clip_high=0.28)
+    weight = log_ratio.exp().clamp(0.8, 1.28)
+    assert torch.allclose(grad, -weight * adv / 4)  # every token keeps a gradient, clipped or not
+    assert stats["pg_clipfrac"].item() == pytest.approx((log_ratio.exp() != weight).float().mean().item())
+
+
+def test_gpg_and_dro_gradients():
+    _, grad, stats, _, adv = _grad(token_losses.gpg_policy_loss)
+    assert torch.allclose(grad, -adv / 4) and stats == {}
+    _, grad, stats, log_ratio, adv = _grad(token_losses.dro_policy_loss, beta=0.5)
+    assert torch.allclose(grad, -(adv - 0.5 * log_ratio) / 4)
+    assert stats["ppo_kl"].item() == pytest.approx(-log_ratio.mean().item())
+    with pytest.raises(ValueError, match="dro_beta > 0"):
+        _grad(token_losses.dro_policy_loss, beta=0.0)
+
+
+def test_config_reads_the_new_names():
+    from hybridrl.config import ConfigError
+    from hybridrl.config.io import load_config
+
+    cfg = load_config("", ["algorithm.adv_estimator=opo", "actor.policy_loss.loss_mode=cispo"])
+    assert (cfg.algorithm.adv_estimator, cfg.actor.policy_loss.loss_mode) == ("opo", "cispo")
+    with pytest.raises(ConfigError, match="set rollout.n >= 2"):
+        load_config("", ["algorithm.adv_estimator=grpo_passk", "rollout.n=1"])
