@@ -61,6 +61,7 @@ verl-reference: $(VERL_STAMP)
 	$(VERL_VENV)/bin/python tests/verl_reference/make_gae_holes.py
 	$(VERL_VENV)/bin/python tests/verl_reference/make_rollout_correction.py
 	$(VERL_VENV)/bin/python tests/verl_reference/make_math_dapo.py
+	$(VERL_VENV)/bin/python tests/verl_reference/make_more_algos.py
 
 # Benchmarks on CPU, one command: the side environments the TRL comparisons need (made once, reused when
 # present: .venv-bench with TRL 1.16 for GRPO, .venv-bench-trl100 with TRL 1.0, the last with PPOTrainer),

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
+
+from hybridrl.trainer.step_batch import gather_objects_dp
 
 
 @dataclass
@@ -33,7 +35,7 @@ class RowInfo:
         return [(gt, {k: v[i] for k, v in self.extras.items()}) for i, gt in enumerate(self.gts)]
 
 
-def texts(tok, batch: Dict[str, torch.Tensor]) -> tuple:
+def _texts(tok, batch: Dict[str, torch.Tensor]) -> tuple:
     """(prompts, responses) of a batch as text: real tokens only, special tokens skipped (verl's batch_decode)."""
     responses = batch["responses"].cpu()
     width = responses.shape[1]
@@ -43,18 +45,40 @@ def texts(tok, batch: Dict[str, torch.Tensor]) -> tuple:
     return prompts, outputs
 
 
-def write_generations(folder: str, step: int, inputs: List[str], outputs: List[str], rows: List[tuple],
-                      scores: List[float]) -> str:
-    """<folder>/<step>.jsonl, one line per response (rows: (ground truth, extras) each); its path."""
-    if not len(inputs) == len(outputs) == len(rows) == len(scores):
-        raise ValueError(f"generation dump of step {step}: {len(inputs)} prompts, {len(outputs)} responses, "
-                         f"{len(rows)} ground truths and {len(scores)} scores")
+def write_generations(folder: str, step: int, lines: List[tuple]) -> str:
+    """<folder>/<step>.jsonl, one line per (prompt, response, score, ground truth, extras); its path."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{step}.jsonl")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        for prompt, response, (gt, extras), score in zip(inputs, outputs, rows, scores):
+        for prompt, response, score, gt, extras in lines:
             entry = {"input": prompt, "output": response, "gts": gt, "score": score, "step": step, **extras}
             f.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def write_gathered(folder: str, step: int, local: List[tuple], groups) -> None:
+    """Every DP rank's lines (this rank's: `local`), in rank order, written by the first rank of the replicas."""
+    lines = gather_objects_dp(local, groups)
+    if _writes(groups):
+        write_generations(folder, step, lines)
+
+
+def _writes(groups) -> bool:
+    return (groups.dp_rank, groups.tp_rank, groups.pp_rank, groups.cp_rank) == (0, 0, 0, 0)
+
+
+def dump_batch(folder: str, step: int, tok, batch: Dict[str, torch.Tensor], scores: torch.Tensor,
+               rows: Optional[List[tuple]], groups) -> None:
+    """A training step's batch; rows: (ground truth, extras) per response in global order (every rank holds
+    them), or None where the step did not keep them."""
+    texts = gather_objects_dp(list(zip(*_texts(tok, batch), scores.tolist())), groups)
+    rows = rows if rows is not None else [(None, {})] * len(texts)
+    if _writes(groups):
+        write_generations(folder, step, [t + r for t, r in zip(texts, rows)])
+
+
+def lines_of(tok, batch: Dict[str, torch.Tensor], scores: torch.Tensor, info: RowInfo) -> List[tuple]:
+    """(prompt, response, score, ground truth, extras) of each response of this rank's batch."""
+    return [t + r for t, r in zip(zip(*_texts(tok, batch), scores.tolist()), info.rows())]

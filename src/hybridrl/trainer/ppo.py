@@ -111,7 +111,8 @@ class PPOTrainer:
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts, source)
         if cfg.trainer.rollout_data_dir:
             with t("dump_rollout_generations"):
-                self.dump_generations(cfg.trainer.rollout_data_dir, step, batch, scores, self.step_rows)
+                generation_dump.dump_batch(cfg.trainer.rollout_data_dir, step, self.tok, batch, scores, self.step_rows,
+                                           self.groups)
         if self.remote is not None and upcoming is not None:
             with t("update_weights"):
                 self.remote.prefetch(*self.rollout_request(upcoming, self.train_sampling(), step + 1))
@@ -282,17 +283,6 @@ class PPOTrainer:
                               step, rows_of=lambda: scored[-1].rows(), kept_rows=kept)
         self.step_rows = kept
         return out
-
-    def dump_generations(self, folder: str, step: int, batch, scores, rows) -> None:
-        """verl's `<folder>/<step>.jsonl` of this batch (every DP rank's rows; one rank writes); rows: (ground
-        truth, reward extras) per response in global order, or None where the step did not keep them."""
-        inputs, outputs = generation_dump.texts(self.tok, batch)
-        lines = gather_objects_dp(list(zip(inputs, outputs, scores.tolist())), self.groups)
-        g = self.groups
-        if (g.dp_rank, g.tp_rank, g.pp_rank, g.cp_rank) == (0, 0, 0, 0):
-            rows = rows if rows is not None else [(None, {})] * len(lines)
-            generation_dump.write_generations(folder, step, [x[0] for x in lines], [x[1] for x in lines], rows,
-                                              [x[2] for x in lines])
 
     def remax_baselines(self, prompts, step: int) -> torch.Tensor:
         """ReMax's baseline: the score of one greedy response per prompt (as verl: the same reward,
@@ -485,9 +475,8 @@ class PPOTrainer:
                 turns += batch["num_turns"].tolist()
             scores, _, infos = self.score_details(batch, prompts, sampling.n, use_reward_model=False)  # rule-checked
             if self.cfg.trainer.validation_data_dir:
-                texts = zip(*generation_dump.texts(self.tok, batch), scores.tolist())
                 gts = [g for g in prompts.ground_truth for _ in range(sampling.n)]
-                dump += [t + row for t, row in zip(texts, generation_dump.RowInfo.of(gts, infos).rows())]
+                dump += generation_dump.lines_of(self.tok, batch, scores, generation_dump.RowInfo.of(gts, infos))
             for i, score in enumerate(scores.tolist()):
                 p = i // sampling.n
                 values = {"reward": score, **{k: v[i] for k, v in infos.items()}}
@@ -495,19 +484,12 @@ class PPOTrainer:
                 samples.append((prompts.data_source[p], (self.groups.dp_rank, b, p), values))
         metrics = metrics_from_samples(gather_objects_dp(samples, self.groups))
         if self.cfg.trainer.validation_data_dir:
-            self._write_validation(gather_objects_dp(dump, self.groups), step)
+            generation_dump.write_gathered(self.cfg.trainer.validation_data_dir, step, dump, self.groups)
         turns = gather_objects_dp(turns, self.groups)
         if turns:  # as verl's val-aux/num_turns/{min,max,mean}
             metrics.update({"val-aux/num_turns/min": float(min(turns)), "val-aux/num_turns/max": float(max(turns)),
                             "val-aux/num_turns/mean": sum(turns) / len(turns)})
         return metrics
-
-    def _write_validation(self, lines: list, step: int) -> None:
-        g = self.groups
-        if (g.dp_rank, g.tp_rank, g.pp_rank, g.cp_rank) == (0, 0, 0, 0):
-            generation_dump.write_generations(self.cfg.trainer.validation_data_dir, step, [x[0] for x in lines],
-                                              [x[1] for x in lines], [(x[3], x[4]) for x in lines],
-                                              [x[2] for x in lines])
 
 
 def _finite(scores: torch.Tensor, source: str) -> torch.Tensor:
