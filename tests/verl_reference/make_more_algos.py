@@ -9,9 +9,7 @@ normalisation, tied best scores included), opo and gpg advantage estimators; kl_
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import numpy as np
 import torch
@@ -21,7 +19,7 @@ from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
 
-from make_reference import _lists, _masks, _outcome_rewards
+from make_reference import _lists, _masks, _outcome_rewards, write_reference
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "more_algos_verl_0_9_1.json")
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -100,10 +98,7 @@ def main():
     ref = {"verl_version": verl.__version__, "torch_version": torch.__version__, "token_sum": token_sum_cases(),
            "policy_loss": policy_loss_cases(), "estimators": estimator_cases(),
            "straight_through_kl": straight_through_kl_cases()}
-    with open(OUT, "w") as f:
-        json.dump(ref, f, indent=0)
-        f.write("\n")
-    print(f"wrote {OUT} (verl {verl.__version__})", file=sys.stderr)
+    write_reference(OUT, ref)
 
 
 if __name__ == "__main__":

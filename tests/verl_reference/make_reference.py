@@ -312,10 +312,14 @@ def main():
            "value_loss": value_loss_cases(), "kl_controller": kl_controller_cases(), "gsm8k": gsm8k_cases(),
            "overlong": overlong_cases(),
            "validation": validation_cases()}
-    with open(OUT, "w") as f:
+    write_reference(OUT, ref)
+
+
+def write_reference(path: str, ref: dict) -> None:
+    with open(path, "w") as f:
         json.dump(ref, f, indent=0)
         f.write("\n")
-    print(f"wrote {OUT} (verl {verl.__version__})", file=sys.stderr)
+    print(f"wrote {path} (verl {verl.__version__})", file=sys.stderr)
 
 
 if __name__ == "__main__":
