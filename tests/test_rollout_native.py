@@ -72,6 +72,11 @@ def _engine_run(folder):
     engine.max_num_seqs = 256
     res["stop_token"] = stop = int(res["greedy_tp2"].responses[0, 3])
     res["stopped"] = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=NEW, stop_token_ids=(stop,)))
+    engine.eos_id = stop  # the engine's own eos, beside the stop ids: both unread with ignore_eos
+    res["ignored"] = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=NEW, stop_token_ids=(stop,),
+                                                             ignore_eos=True))
+    res["eos_stopped"] = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=NEW))
+    engine.eos_id = None
     engine.sleep()
     try:
         engine.generate(PROMPTS, greedy)
@@ -168,6 +173,16 @@ def test_stop_token_ends_row_and_is_kept(runs):
         assert out.responses[r, keep:].eq(0).all() and out.log_probs[r, keep:].eq(0).all()
         torch.testing.assert_close(out.log_probs[r, :keep], full.log_probs[r, :keep], atol=1e-5, rtol=0)
     assert (out.response_mask.sum(-1) < NEW).any(), "the stop token must end at least one row early"
+
+
+@pytest.mark.distributed
+def test_ignore_eos_generates_every_token(runs):
+    """verl's rollout.ignore_eos: neither the stop ids nor the engine's eos end a row; the greedy tokens are those
+    of the run without any stop (which the engine's eos alone does cut short)."""
+    res = runs[0]
+    full, out = res["greedy_tp2"], res["ignored"]
+    assert torch.equal(out.responses, full.responses) and out.response_mask.eq(1).all()
+    assert (res["eos_stopped"].response_mask.sum(-1) < NEW).any()
 
 
 @pytest.mark.distributed

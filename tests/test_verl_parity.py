@@ -171,3 +171,58 @@ def test_dapo_math_scorer_matches_verl():
     for i, c in enumerate(cases):
         got = (scores[i].item(), extra["acc"][i], extra["pred"][i])
         assert got == (c["score"], float(c["acc"]), c["pred"]), (c["solution"][-80:], c["ground_truth"], got)
+
+
+# ---- the algorithms added later: tests/verl_reference/more_algos_verl_0_9_1.json (make_more_algos.py) -------
+
+with open(os.path.join(os.path.dirname(REF_PATH), "more_algos_verl_0_9_1.json")) as _f:
+    MORE = json.load(_f)
+
+
+def test_more_reference_is_verl_0_9_1():
+    assert MORE["verl_version"] == "0.9.1"
+
+
+@pytest.mark.parametrize("case", MORE["token_sum"], ids=lambda c: f"b{len(c['mask'])}")
+def test_token_sum_matches_verl(case):
+    out = algos.agg_loss(f32(case["loss_mat"]), f32(case["mask"]), "token-sum")
+    assert math.isclose(out.item(), case["expect"], rel_tol=1e-6, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("case", MORE["policy_loss"], ids=lambda c: f"{c['loss_mode']}-{c['agg_mode']}")
+def test_cispo_gpg_dro_losses_and_gradients_match_verl(case):
+    import functools
+
+    from hybridrl.algos import token_losses
+
+    fn = {"cispo": functools.partial(token_losses.cispo_policy_loss, clip_low=case["clip_low"],
+                                     clip_high=case["clip_high"]),
+          "gpg": token_losses.gpg_policy_loss,
+          "dro": functools.partial(token_losses.dro_policy_loss, beta=case["dro_beta"])}[case["loss_mode"]]
+    log_prob = f32(case["log_prob"]).requires_grad_(True)
+    loss, stats = fn(f32(case["old_log_prob"]), log_prob, f32(case["advantages"]), f32(case["mask"]),
+                     agg_mode=case["agg_mode"])
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-6), (loss.item(), case["loss"])
+    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-5)
+    assert {k.split("/")[1] for k in case["metrics"]} == set(stats)
+    for key, value in case["metrics"].items():
+        assert math.isclose(float(stats[key.split("/")[1]]), value, abs_tol=1e-6), key
+
+
+@pytest.mark.parametrize("case", MORE["estimators"], ids=lambda c: f"{c['estimator']}-{c['norm_by_std']}")
+def test_passk_opo_gpg_advantages_match_verl(case):
+    adv, ret = algos.compute_advantages(case["estimator"], token_rewards=f32(case["token_level_rewards"]),
+                                        response_mask=f32(case["mask"]), group_index=case["index"],
+                                        norm_by_std=case["norm_by_std"])
+    torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ret, f32(case["returns"]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", MORE["straight_through_kl"], ids=lambda c: c["kind"])
+def test_straight_through_kl_matches_verl(case):
+    x = f32(case["logprob"]).requires_grad_(True)
+    kl = algos.kl_penalty(x, f32(case["ref_logprob"]), case["kind"])
+    (grad,) = torch.autograd.grad(kl.sum(), x)
+    torch.testing.assert_close(kl.detach(), f32(case["kl"]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-6)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from hybridrl.config.checks import check, one_of
 
@@ -95,6 +95,16 @@ class RolloutConfig:
     """Sampling seed."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-calling rollouts (the agent loop)."""
+    ignore_eos: bool = False
+    """verl's: generate max_response_length tokens, past the EOS tokens (throughput measurements)."""
+    do_sample: bool = True
+    """verl's key; not read, as verl 0.9.1's agent loop does not: the temperature decides (0 is greedy)."""
+    calculate_log_probs: bool = False
+    """verl's key; not read: the engine's log-probs are always returned (rollout correction, bypass mode)."""
+    prompt_length: Optional[int] = None
+    """verl's copy of data.max_prompt_length (its YAML interpolates it); set, it must equal that."""
+    response_length: Optional[int] = None
+    """verl's copy of data.max_response_length (its YAML interpolates it); set, it must equal that."""
 
     def __post_init__(self):
         one_of("rollout.name", self.name, ("native", "vllm"))

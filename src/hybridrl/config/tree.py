@@ -34,5 +34,10 @@ class Config:
         object.__setattr__(self, "critic", self.critic.inheriting(self.actor))
         check(self.algorithm.adv_estimator != "grpo_passk" or self.rollout.n >= 2,
               "algorithm.adv_estimator=grpo_passk compares each prompt's best two responses: set rollout.n >= 2")
+        for key, mine, data_key in (("prompt_length", self.rollout.prompt_length, "max_prompt_length"),
+                                    ("response_length", self.rollout.response_length, "max_response_length")):
+            check(mine is None or mine == getattr(self.data, data_key),
+                  f"rollout.{key}={mine} differs from data.{data_key}={getattr(self.data, data_key)}: verl's YAML "
+                  f"copies data.{data_key} there; set data.{data_key} (and drop rollout.{key})")
         check(not self.trainer.val_only or bool(self.data.val_files),
               "trainer.val_only=true validates and stops: set data.val_files to the prompts to validate on")

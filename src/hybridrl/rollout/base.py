@@ -32,6 +32,9 @@ class SamplingParams:
     """Longest response in tokens (also the width R of the returned tensors)."""
     stop_token_ids: tuple = ()
     """Tokens that end a response (included in it); the engine's eos_id is added to these."""
+    ignore_eos: bool = False
+    """Nothing ends a response before max_new_tokens: stop_token_ids and the engine's eos are not read (verl's
+    rollout.ignore_eos, vLLM's SamplingParams.ignore_eos)."""
     seed: int = 0
     """Default prompt seeds are seed + prompt index."""
 

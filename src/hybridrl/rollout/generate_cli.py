@@ -153,7 +153,8 @@ def sampling_params(args, tokenizer):
         raise UsageError(f"--temperature {args.temperature} --top-p {args.top_p}: pass a temperature >= 0 "
                          "(0: greedy) and 0 < top-p <= 1")
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed, stop_token_ids=tuple(stops))
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, stop_token_ids=tuple(stops),
+                          ignore_eos=args.ignore_eos)
 
 
 def run_engine(args, spec, tokenizer, prompts, sampling) -> list[dict] | None:

@@ -346,7 +346,8 @@ class NativeEngine:
             prompt_seeds = [sampling.seed + i for i in range(len(prompt_token_ids))]
         prompts, seeds, (lo, hi) = join_requests(prompt_token_ids, prompt_seeds, self.groups)
         rows = expand_requests(prompts, sampling, seeds)
-        stops = set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        stops = set() if sampling.ignore_eos else \
+            set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         rows_out = slice(lo * sampling.n, hi * sampling.n)
         if not rows:  # no request on any rank of the group (e.g. an agent loop with every episode done)
             out = pack_output([], [], sampling.max_new_tokens, self.pad_id,

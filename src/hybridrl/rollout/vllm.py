@@ -241,11 +241,11 @@ class VLLMEngine:
 
     def _sampling_params(self, sampling: SamplingParams, seed: int):
         vllm = self.vllm if self.vllm is not None else import_vllm()
-        stops = set(sampling.stop_token_ids) | set(self.eos_ids)
+        stops = set() if sampling.ignore_eos else set(sampling.stop_token_ids) | set(self.eos_ids)
         return vllm.SamplingParams(
             n=1, seed=seed, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=max(sampling.top_k, 0), max_tokens=sampling.max_new_tokens,
-            logprobs=0, stop_token_ids=sorted(stops), detokenize=False)
+            logprobs=0, stop_token_ids=sorted(stops), ignore_eos=sampling.ignore_eos, detokenize=False)
 
     def _ready_to_generate(self) -> None:
         """Every weight streamed in since a sleep discarded them; vLLM's post-load step once after the last bucket."""

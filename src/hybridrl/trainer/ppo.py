@@ -187,7 +187,7 @@ class PPOTrainer:
         r = self.cfg.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=self.cfg.data.max_response_length,
-                              stop_token_ids=self.tok.eos_token_ids, seed=r.seed)
+                              stop_token_ids=self.tok.eos_token_ids, ignore_eos=r.ignore_eos, seed=r.seed)
 
     def generate(self, prompts, sampling: SamplingParams, step: int) -> Dict[str, torch.Tensor]:
         """Responses for this rank's prompts, padded to max_response_length, on the run's device.
