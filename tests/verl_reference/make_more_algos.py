@@ -18,6 +18,7 @@ import verl
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
+from verl.workers.config.actor import PolicyLossConfig
 
 from make_reference import _lists, _masks, _outcome_rewards, write_reference
 
@@ -47,7 +48,7 @@ def policy_loss_cases():
             adv = (torch.randn(b, 1, generator=g) * torch.ones(1, t)) * mask
             cfg = ActorConfig(strategy="megatron", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                               loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
-                              policy_loss={"loss_mode": loss_mode, "dro_beta": 0.5})
+                              policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.5))
             loss, metrics = core_algos.get_policy_loss_fn(loss_mode)(old, new, adv, mask, loss_agg_mode=mode, config=cfg)
             (grad,) = torch.autograd.grad(loss, new)
             cases.append({"loss_mode": loss_mode, "agg_mode": mode, "clip_low": 0.2, "clip_high": 0.28, "dro_beta": 0.5,
