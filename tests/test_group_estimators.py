@@ -72,3 +72,23 @@ def test_config_reads_the_new_names():
     assert (cfg.algorithm.adv_estimator, cfg.actor.policy_loss.loss_mode) == ("opo", "cispo")
     with pytest.raises(ConfigError, match="set rollout.n >= 2"):
         load_config("", ["algorithm.adv_estimator=grpo_passk", "rollout.n=1"])
+
+
+def test_actor_config_picks_each_loss_with_its_settings():
+    from hybridrl.algos import covariance_losses
+    from hybridrl.config.io import load_config
+    from hybridrl.workers.actor import _policy_agg, _surrogate
+
+    def actor(*keys):
+        return load_config("", list(keys)).actor
+
+    a = actor("actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0.01",
+              "actor.policy_loss.clip_cov_ub=4", "actor.clip_ratio_high=0.3")
+    fn = _surrogate(a)
+    assert fn.func is covariance_losses.clip_cov_policy_loss
+    assert fn.keywords == dict(cov_ratio=0.01, cov_lb=1.0, cov_ub=4.0, clip_low=0.2, clip_high=0.3)
+    fn = _surrogate(actor("actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.ppo_kl_coef=0.5"))
+    assert fn.func is covariance_losses.kl_cov_policy_loss and fn.keywords == dict(cov_ratio=0.0002, kl_coef=0.5)
+    geo = actor("actor.policy_loss.loss_mode=geo_mean", "actor.loss_agg_mode=token-mean")
+    assert _surrogate(geo).func is token_losses.geo_mean_policy_loss and _policy_agg(geo) == "seq-mean-token-mean"
+    assert _policy_agg(actor("actor.loss_agg_mode=token-sum")) == "token-sum"

@@ -18,9 +18,11 @@ from models_helper import padded_rl_rows
 
 B, P, R = 8, 5, 6
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo",
-         "cispo", "gpg", "dro")
-LOSSES = {"gspo": "seq-mean-token-mean", "cispo": "token-mean", "gpg": "seq-mean-token-sum", "dro": "token-mean"}
-"""Policy losses other than vanilla, each with an aggregation."""
+         "cispo", "gpg", "dro", "geo_mean")
+LOSSES = {"gspo": "seq-mean-token-mean", "cispo": "token-mean", "gpg": "seq-mean-token-sum", "dro": "token-mean",
+          "geo_mean": "token-mean"}
+"""Policy losses other than vanilla, each with an aggregation (GMPO's policy term keeps its own mean over
+responses while its entropy and KL terms take token-mean)."""
 DRO_BETA = 0.5
 
 
@@ -124,13 +126,15 @@ def _expected_losses(ref, mode):
     loss_fn = {"gspo": functools.partial(algos.gspo_policy_loss, clip_low=0.2, clip_high=0.2),
                "cispo": functools.partial(token_losses.cispo_policy_loss, clip_low=0.2, clip_high=0.2),
                "gpg": token_losses.gpg_policy_loss, "dro": functools.partial(token_losses.dro_policy_loss, beta=DRO_BETA),
+               "geo_mean": functools.partial(token_losses.geo_mean_policy_loss, clip_low=0.2, clip_high=0.2),
                "vanilla": functools.partial(algos.policy_loss, clip_low=0.2, clip_high=0.2)}[loss_mode]
     pg, _ = loss_fn(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, agg_mode=mode, loss_scale_factor=R)
     kl = algos.agg_loss(algos.kl_penalty(ref["log_probs"], b["ref_log_probs"], "low_var_kl"), mask, mode, R)
     # agg_loss of one batch leaves the row without a loss token out of the seq-mean; verl's trainer divides by
     # every row of the mini-batch (its global_batch_size)
-    scale = 1.0 if mode in ("token-mean", "token-sum") else float((mask.sum(-1) > 0).sum()) / B
-    return {"actor/pg_loss": pg.item() * scale, "actor/kl_loss": kl.item() * scale,
+    rows = float((mask.sum(-1) > 0).sum()) / B
+    scale = 1.0 if mode in ("token-mean", "token-sum") else rows
+    return {"actor/pg_loss": pg.item() * (rows if loss_mode == "geo_mean" else scale), "actor/kl_loss": kl.item() * scale,
             "actor/entropy_loss": algos.agg_loss(ref["entropy"], mask, mode, R).item() * scale}
 
 

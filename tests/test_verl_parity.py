@@ -226,3 +226,32 @@ def test_straight_through_kl_matches_verl(case):
     (grad,) = torch.autograd.grad(kl.sum(), x)
     torch.testing.assert_close(kl.detach(), f32(case["kl"]), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", MORE["covariance_losses"], ids=lambda c: f"{c['loss_mode']}-{c['agg_mode']}")
+def test_geo_mean_clip_cov_kl_cov_match_verl(case):
+    """GMPO divides by every response (verl's torch.mean), hybridrl's function by those with a loss token (the
+    trainer's share then divides by every row); Clip-Cov draws the same tokens from the same torch seed."""
+    import functools
+
+    from hybridrl.algos import covariance_losses, token_losses
+
+    fn = {"geo_mean": functools.partial(token_losses.geo_mean_policy_loss, clip_low=case["clip_low"],
+                                        clip_high=case["clip_high"]),
+          "clip_cov": functools.partial(covariance_losses.clip_cov_policy_loss, clip_low=case["clip_low"],
+                                        clip_high=case["clip_high"], cov_ratio=case["cov_ratio"], cov_lb=case["cov_lb"],
+                                        cov_ub=case["cov_ub"], agg_mode=case["agg_mode"]),
+          "kl_cov": functools.partial(covariance_losses.kl_cov_policy_loss, cov_ratio=case["cov_ratio"],
+                                      kl_coef=case["kl_coef"], agg_mode=case["agg_mode"])}[case["loss_mode"]]
+    mask = f32(case["mask"])
+    log_prob = f32(case["log_prob"]).requires_grad_(True)
+    torch.manual_seed(case["seed"])
+    loss, stats = fn(f32(case["old_log_prob"]), log_prob, f32(case["advantages"]), mask)
+    if case["loss_mode"] == "geo_mean":
+        loss = loss * (mask.sum(-1) > 0).sum() / mask.shape[0]
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-6), (loss.item(), case["loss"])
+    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-5)
+    assert {k.split("/")[1] for k in case["metrics"]} == set(stats)
+    for key, value in case["metrics"].items():
+        assert math.isclose(float(stats[key.split("/")[1]]), value, abs_tol=1e-6), key

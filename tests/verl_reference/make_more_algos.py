@@ -5,7 +5,7 @@ Run in the side venv that has verl (`make verl-reference`). Inputs are drawn her
 beside verl's outputs. Covered: core_algos.agg_loss "token-sum"; the cispo, gpg and dro policy losses (loss,
 metrics and the gradient with respect to log_prob, every aggregation); the grpo_passk (with and without std
 normalisation, tied best scores included), opo and gpg advantage estimators; kl_penalty's straight-through
-"+" kinds (value and gradient).
+"+" kinds (value and gradient); the geo_mean, clip_cov and kl_cov policy losses.
 """
 from __future__ import annotations
 
@@ -58,6 +58,34 @@ def policy_loss_cases():
     return cases
 
 
+def covariance_loss_cases():
+    """geo_mean (GMPO), clip_cov (torch.manual_seed(seed) right before each call: it draws with torch.randperm)
+    and kl_cov, with shares and bounds large enough that several tokens are picked."""
+    g = torch.Generator().manual_seed(35)
+    cases = []
+    for loss_mode in ("geo_mean", "clip_cov", "kl_cov"):
+        for mode in ("token-mean", "seq-mean-token-sum"):
+            b, t = 6, 10
+            mask = _masks(g, b, t)
+            old = -2.0 + 0.5 * torch.randn(b, t, generator=g)
+            new = (old + 0.3 * torch.randn(b, t, generator=g)).requires_grad_(True)
+            adv = (3 * torch.randn(b, 1, generator=g) * torch.ones(1, t)) * mask
+            cfg = ActorConfig(strategy="megatron", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                              loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
+                              policy_loss=PolicyLossConfig(loss_mode=loss_mode, clip_cov_ratio=0.2, clip_cov_lb=0.5,
+                                                           clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.3))
+            seed = len(cases)
+            torch.manual_seed(seed)
+            loss, metrics = core_algos.get_policy_loss_fn(loss_mode)(old, new, adv, mask, loss_agg_mode=mode, config=cfg)
+            (grad,) = torch.autograd.grad(loss, new)
+            cases.append({"loss_mode": loss_mode, "agg_mode": mode, "seed": seed, "clip_low": 0.2, "clip_high": 0.28,
+                          "cov_ratio": 0.2, "cov_lb": 0.5, "cov_ub": 5.0, "kl_coef": 0.3,
+                          "old_log_prob": _lists(old), "log_prob": _lists(new.detach()), "advantages": _lists(adv),
+                          "mask": _lists(mask), "loss": float(loss.detach()), "grad": _lists(grad),
+                          "metrics": {k: float(v) for k, v in metrics.items()}})
+    return cases
+
+
 def estimator_cases():
     g = torch.Generator().manual_seed(33)
     cases = []
@@ -97,7 +125,8 @@ def straight_through_kl_cases():
 
 def main():
     ref = {"verl_version": verl.__version__, "torch_version": torch.__version__, "token_sum": token_sum_cases(),
-           "policy_loss": policy_loss_cases(), "estimators": estimator_cases(),
+           "policy_loss": policy_loss_cases(), "covariance_losses": covariance_loss_cases(),
+           "estimators": estimator_cases(),
            "straight_through_kl": straight_through_kl_cases()}
     write_reference(OUT, ref)
 

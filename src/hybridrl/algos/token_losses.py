@@ -1,4 +1,5 @@
-"""Policy losses without PPO's clipped surrogate, as verl 0.9.1 registers them: CISPO, GPG and DRO.
+"""Policy losses beside PPO's clipped token surrogate, as verl 0.9.1 registers them: CISPO, GPG, DRO and GMPO
+(geo_mean).
 
 Each takes (old log-probs, log-probs, advantages, response mask) [B, T] and the aggregation of
 `hybridrl.algos.aggregation`, multiplies each token's loss by its rollout IS weight where given (the
@@ -58,3 +59,32 @@ def dro_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, 
     losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
     return (_aggregate(losses, m, rollout_is_weights, agg_mode, loss_scale_factor),
             {"ppo_kl": masked_mean(-log_ratio, m).detach()})
+
+
+GEO_MEAN_AGG = "seq-mean-token-mean"
+"""GMPO's loss is a mean over responses whatever actor.loss_agg_mode says (verl: "not used")."""
+
+
+def geo_mean_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                         clip_low: float = 0.2, clip_high: float = 0.2, agg_mode: str = GEO_MEAN_AGG,
+                         rollout_is_weights: Optional[Tensor] = None,
+                         loss_scale_factor: Optional[float] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025, verl's geo_mean): per response, -A * exp(mean over its tokens of the log-ratio
+    clipped PPO's way in log space, sign(A) * min(sign(A) * r, sign(A) * clip(r, -low, high))), A the
+    response's mean advantage; IS weights enter as their geometric mean over the response. The mean over the
+    responses that have a loss token (rows without one add 0; the trainer's share divides by every row of the
+    mini-batch, as verl's torch.mean). agg_mode is not read."""
+    m = _mask_like(response_mask, log_prob)
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -clip_low, clip_high)
+    kept = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    length = m.sum(dim=-1) + 1e-8
+    row_loss = -(advantages * m).sum(dim=-1) / length * torch.exp((kept * m).sum(dim=-1) / length)
+    if rollout_is_weights is not None:
+        row_loss = row_loss * torch.exp((torch.log(rollout_is_weights + 1e-10) * m).sum(dim=-1) / length)
+    rows = (m.sum(dim=-1) > 0).to(m.dtype)
+    clipped = (log_ratio != clamped).to(m.dtype)
+    stats = {"pg_clipfrac": masked_mean(clipped * (advantages > 0), m), "ppo_kl": masked_mean(-log_ratio, m),
+             "pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), m)}
+    return row_loss.sum() / rows.sum().clamp(min=1), {k: v.detach() for k, v in stats.items()}

@@ -55,7 +55,7 @@ class OffloadConfig:
 
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dro")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dro", "geo_mean", "clip_cov", "kl_cov")
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,25 @@ class PolicyLossConfig:
     loss_mode: str = "vanilla"
     """vanilla (dual-clip PPO on token ratios), gspo (one clipped ratio per sequence; use clip ranges near 3e-4 /
     4e-4 and loss_agg_mode seq-mean-token-mean, as verl's GSPO recipe), cispo (clipped importance weights held
-    constant, MiniMax-M1), gpg (the plain policy gradient; with adv_estimator gpg) or dro (a policy gradient
-    with a quadratic log-ratio penalty, dro_beta)."""
+    constant, MiniMax-M1), gpg (the plain policy gradient; with adv_estimator gpg), dro (a policy gradient
+    with a quadratic log-ratio penalty, dro_beta), geo_mean (GMPO: one ratio per response, the geometric mean
+    of its clipped token ratios), clip_cov or kl_cov (the Entropy Mechanism paper's)."""
     dro_beta: Optional[float] = None
     """DRO's penalty weight (> 0; required with loss_mode dro, as verl)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: the share of a micro-batch's tokens whose gradient is dropped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: the covariance range (lb, ub) the dropped tokens are drawn from."""
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the share of a micro-batch's tokens (largest covariance) that get the |log-ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: the weight of that penalty."""
 
     def __post_init__(self):
         one_of("actor.policy_loss.loss_mode", self.loss_mode, POLICY_LOSS_MODES)
+        check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0,
+              "actor.policy_loss.clip_cov_ratio and kl_cov_ratio must be > 0")
         check(self.loss_mode != "dro" or (self.dro_beta or 0) > 0,
               "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (the log-ratio penalty weight)")
 

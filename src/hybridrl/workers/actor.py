@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from hybridrl import algos
-from hybridrl.algos import token_losses
+from hybridrl.algos import covariance_losses, token_losses
 from hybridrl.config import ActorConfig, Config, RolloutCorrectionConfig
 from hybridrl.models.logprobs import vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
@@ -108,7 +108,20 @@ def _surrogate(cfg: ActorConfig):
         return token_losses.gpg_policy_loss
     if mode == "dro":
         return functools.partial(token_losses.dro_policy_loss, beta=cfg.policy_loss.dro_beta)
+    if mode == "geo_mean":
+        return functools.partial(token_losses.geo_mean_policy_loss, **clip)
+    pl = cfg.policy_loss
+    if mode == "clip_cov":
+        return functools.partial(covariance_losses.clip_cov_policy_loss, cov_ratio=pl.clip_cov_ratio,
+                                 cov_lb=pl.clip_cov_lb, cov_ub=pl.clip_cov_ub, **clip)
+    if mode == "kl_cov":
+        return functools.partial(covariance_losses.kl_cov_policy_loss, cov_ratio=pl.kl_cov_ratio, kl_coef=pl.ppo_kl_coef)
     return functools.partial(algos.policy_loss, clip_c=cfg.clip_ratio_c, **clip)
+
+
+def _policy_agg(cfg: ActorConfig) -> str:
+    """How the policy term's share of the mini-batch is counted: the loss's own aggregation (GMPO's is fixed)."""
+    return token_losses.GEO_MEAN_AGG if cfg.policy_loss.loss_mode == "geo_mean" else cfg.loss_agg_mode
 
 
 class ActorWorker(LogProbWorker):
@@ -158,11 +171,12 @@ class ActorWorker(LogProbWorker):
             metrics["actor/kl_loss"] = kl
         # summed over micro-batches and DP later (device tensors, read once per step): losses by
         # their normaliser, token means by tokens
-        metrics = {k: v.detach().double() * share.loss for k, v in metrics.items()}
+        metrics = {k: v.detach().double() * (share.policy if k == "actor/pg_loss" else share.loss)
+                   for k, v in metrics.items()}
         metrics.update({f"actor/{k}": v.detach().double() * share.tokens for k, v in stats.items()})
         metrics.update({k: v * share.tokens for k, v in correction.items()})  # bypass: by micro-batch, as verl
         # The schedule divides by n_micro (and multiplies by CP) and DDP averages over DP x CP: undo both for a global mean.
-        scaled = loss * share.loss * n_micro * self.engine.groups.dp
+        scaled = (loss * share.loss + pg_loss * (share.policy - share.loss)) * n_micro * self.engine.groups.dp
         out = {**metrics, "finite": torch.isfinite(loss.detach()).double()}
         if own_old:
             out["rows"] = {"log_probs": old_log_probs, "entropy": entropy.detach()}
@@ -186,7 +200,8 @@ class ActorWorker(LogProbWorker):
         with RouterStats(self.engine.module) as routing:
             metrics, per_step = ppo_update(self.engine, self.optimizer, minis, batching, self.cfg.loss_agg_mode,
                                            self._loss, "actor", apply,
-                                           self.token_fn(True, entropy_grad=self.cfg.entropy_coeff != 0))
+                                           self.token_fn(True, entropy_grad=self.cfg.entropy_coeff != 0),
+                                           policy_agg=_policy_agg(self.cfg))
         if routing.routers:
             metrics.update(pass_metrics(routing, self.engine.groups, routing.routers[0].topk))
         if self.cfg.use_kl_loss:  # verl logs the coefficient beside actor/kl_loss

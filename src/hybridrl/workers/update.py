@@ -39,13 +39,16 @@ def global_weights(micro_batches: List[Dict[str, torch.Tensor]], mode: str, engi
 @dataclass(frozen=True)
 class Share:
     """A micro-batch's part of its DP-global mini-batch: of the loss normaliser (by loss_agg_mode),
-    and of the response tokens (token-level statistics such as clip fractions average by this)."""
+    of the response tokens (token-level statistics such as clip fractions average by this) and of the policy
+    term's normaliser (the loss's unless the policy loss aggregates its own way: GMPO)."""
     loss: float
     tokens: float
+    policy: float
 
 
 def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.Tensor]], batching: MicroBatching,
-               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True, token_fn: Callable | None = None):
+               agg_mode: str, loss_fn: Callable, role: str, apply: bool = True, token_fn: Callable | None = None,
+               policy_agg: str | None = None):
     """One optimizer step per mini-batch; `loss_fn(output, mb, share, n_micro) -> (loss, stats)`, output the
     model's or, with `token_fn`, its per-token results (`ModelEngine.run`).
     apply=False runs the same forwards without backward or step (the dry run).
@@ -58,7 +61,8 @@ def ppo_update(engine: ModelEngine, optimizer, minis: Iterable[Dict[str, torch.T
         micro = split_rows(mini, plan, width_agreement(engine.groups))
         loss_shares = global_weights(micro, agg_mode, engine)
         token_shares = loss_shares if agg_mode == "token-mean" else global_weights(micro, "token-mean", engine)
-        shares = iter([Share(w, t) for w, t in zip(loss_shares, token_shares)])
+        policy_shares = loss_shares if policy_agg in (None, agg_mode) else global_weights(micro, policy_agg, engine)
+        shares = iter([Share(*w) for w in zip(loss_shares, token_shares, policy_shares)])
         engine.zero_grad()
         optimizer.zero_grad()
         stats = engine.run(micro, lambda out, mb: loss_fn(out, mb, next(shares), len(micro)), not apply, token_fn)
