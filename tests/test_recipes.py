@@ -36,7 +36,8 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
            os.path.join(RECIPES, "dapo_tiny_cpu.yaml")] + _overrides(tmp_path, [
         f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.log_freq=3",
         "data.val_batch_size=8", "reward.overlong_buffer.len=2", "algorithm.filter_groups.max_num_gen_batches=20",
-        f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.validation_data_dir={tmp_path}/val"])
+        f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.validation_data_dir={tmp_path}/val",
+        "trainer.logger=[console,tensorboard,file]"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,6 +48,14 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
     assert sorted(scalars["val-core/synthetic/arith/acc/mean@1"]) == [steps]  # -1: only after the last step
     assert re.findall(r"^step:(\d+) ", proc.stdout, re.M) == ["3", "4"]  # every log_freq steps and the last
     _check_generation_dumps(tmp_path, steps, scalars)
+    import json  # verl's file logger: every step's metrics, the TensorBoard scalars' values
+    (path,) = list((tmp_path / "tb").glob("**/metrics.jsonl"))
+    logged = {}  # a step may log twice (its update, then its validation): one line each
+    for line in map(json.loads, path.read_text().splitlines()):
+        logged.setdefault(line["step"], {}).update(line["data"])
+    assert sorted(logged) == list(range(1, steps + 1))
+    for key in ("critic/score/mean", "actor/pg_loss", "train/num_gen_batches"):
+        assert all(abs(logged[s][key] - scalars[key][s]) <= 1e-6 * max(1, abs(scalars[key][s])) for s in logged), key
 
 
 def _check_generation_dumps(tmp_path, steps, scalars):

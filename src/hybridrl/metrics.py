@@ -5,6 +5,7 @@ Metrics are a flat dict of namespaced floats (`actor/pg_loss`, `timing_s/gen`); 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -193,7 +194,9 @@ STEP_KEY = "training/global_step"
 
 
 class MetricsWriter:
-    """Console lines, TensorBoard scalars and a Weights & Biases run; a no-op on ranks other than 0.
+    """Console lines, TensorBoard scalars, a Weights & Biases run and verl's file logger (JSON lines at
+    $VERL_FILE_LOGGER_PATH, else <log_dir>/metrics.jsonl; appended to, and cut back to the resumed step on a
+    resume); a no-op on ranks other than 0.
 
     `sinks` are verl's `trainer.logger` names. W&B gets the project and experiment names, the resolved
     config (`config`, a plain dict) and its run folder under `log_dir`; offline unless the user logged in.
@@ -214,6 +217,11 @@ class MetricsWriter:
         self.tb = None
         self.wandb = None
         self.log_dir = log_dir
+        self.file = None
+        if enabled and "file" in sinks:  # verl's file logger: {"step": k, "data": {...}} per line
+            self.file_path = os.environ.get("VERL_FILE_LOGGER_PATH") or os.path.join(log_dir, "metrics.jsonl")
+            os.makedirs(os.path.dirname(os.path.abspath(self.file_path)), exist_ok=True)
+            self.file = open(self.file_path, "a", encoding="utf-8")
         if enabled and "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -237,6 +245,15 @@ class MetricsWriter:
 
             self.tb._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
             self.tb.flush()
+        if self.file is not None:  # the lines past `step` go (rewritten whole: temp + rename), the rest stay
+            self.file.close()
+            with open(self.file_path, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            tmp = f"{self.file_path}.tmp-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.file_path)
+            self.file = open(self.file_path, "a", encoding="utf-8")
 
     def log(self, metrics: Dict[str, float], step: int, console_keys=None, console: bool = True) -> None:
         """TensorBoard and W&B always; a console line (console_keys, else all) when `console`."""
@@ -248,6 +265,9 @@ class MetricsWriter:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log({**metrics, STEP_KEY: step})
+        if self.file is not None:
+            self.file.write(json.dumps({"step": step, "data": metrics}, default=float) + "\n")
+            self.file.flush()
         if self.console and console:
             keys = console_keys or sorted(metrics)
             from tqdm import tqdm  # writes above an active progress bar instead of through it
@@ -256,6 +276,9 @@ class MetricsWriter:
                        file=sys.stdout)
 
     def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

@@ -10,7 +10,7 @@ from hybridrl.config.checks import check, one_of
 from hybridrl.config.training import OptimConfig
 
 
-LOGGERS = ("console", "tensorboard", "wandb")
+LOGGERS = ("console", "tensorboard", "wandb", "file")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class TrainerConfig:
     log_dir: str = "outputs/tensorboard"
     """TensorBoard event files."""
     logger: List[str] = field(default_factory=lambda: ["console", "tensorboard"])
-    """Metric sinks (verl's trainer.logger): console, tensorboard, wandb (offline until `wandb login`)."""
+    """Metric sinks (verl's trainer.logger): console, tensorboard, wandb (offline until `wandb login`), file (JSON lines)."""
     project_name: str = "hybridrl"
     """Project name (folder under log_dir; the W&B project)."""
     experiment_name: str = "tiny_cpu"
