@@ -51,3 +51,23 @@ def test_checkpoints_default_to_a_folder_per_experiment():
     cfg = load_config("", ["trainer.project_name=p", "trainer.experiment_name=e"]).trainer
     assert cfg.checkpoint_dir == os.path.join("outputs", "checkpoints", "p", "e")
     assert load_config("", ["trainer.default_local_dir=/x/ck"]).trainer.checkpoint_dir == "/x/ck"
+
+
+def test_verls_section_layout_is_read(tmp_path):
+    """A verl YAML (actor_rollout_ref.{actor,rollout,ref,model}, custom_reward_function) and verl-style overrides
+    land in hybridrl's sections, merged with what the file sets there itself; keys with another home here
+    (verl's megatron parallel sizes, the rollout's log-prob batch sizes, hybrid_engine) are named by the error."""
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  model: {path: /m}\n  actor: {optim: {lr: 2.0e-6}, ppo_mini_batch_size: 16}\n"
+                    "  rollout: {n: 4, temperature: 0.7}\n  ref: {log_prob_micro_batch_size_per_gpu: 3}\n"
+                    "actor: {ppo_epochs: 2}\ncustom_reward_function: {path: /r.py, name: score}\n")
+    cfg = load_config(str(path), ["actor_rollout_ref.rollout.n=6"])
+    assert (cfg.model.path, cfg.actor.optim.lr, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs) == ("/m", 2e-6, 16, 2)
+    assert (cfg.rollout.n, cfg.rollout.temperature, cfg.ref.log_prob_micro_batch_size_per_gpu) == (6, 0.7, 3)
+    assert (cfg.reward.custom_function.path, cfg.reward.custom_function.name) == ("/r.py", "score")
+    for key, home in (("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "parallel.tensor_model_parallel_size"),
+                      ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                       "actor.log_prob_micro_batch_size_per_gpu"),
+                      ("actor_rollout_ref.hybrid_engine=true", "placement.mode")):
+        with pytest.raises(ConfigError, match=f"is now '{home}"):
+            load_config("", [key])

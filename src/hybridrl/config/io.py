@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from hybridrl.config import Config, ConfigError
 from hybridrl.config.algorithm import ASYNC_ROLLOUT_IS
+from hybridrl.config.verl_sections import MOVED_KEYS, to_hybridrl_sections
 
 
 def all_keys(cls=Config, prefix: str = "") -> List[str]:
@@ -53,17 +54,9 @@ def field_type(key: str) -> str:
     return str(ftype)
 
 
-# Keys that moved to verl's names (README, "Migration"): the error names the new key.
-MOVED_KEYS = {"actor.rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold (with "
-                                      "algorithm.rollout_correction.rollout_is=token)",
-             "rollout.val_n": "rollout.val_kwargs.n",
-              "rollout.val_temperature": "rollout.val_kwargs.temperature",
-              "trainer.max_ckpt_to_keep": "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep"}
-
-
 def _unknown_key_error(full_key: str) -> ConfigError:
     if full_key in MOVED_KEYS:
-        return ConfigError(f"config key '{full_key}' is now '{MOVED_KEYS[full_key]}' (verl's name); rename it")
+        return ConfigError(f"config key '{full_key}' is now '{MOVED_KEYS[full_key]}' here; rename it")
     return ConfigError(f"unknown config key '{full_key}'; did you mean '{nearest_key(full_key)}'?")
 
 
@@ -167,6 +160,7 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
         layers.append(OmegaConf.from_dotlist(_parse_overrides(overrides)))
     except OmegaConfBaseException as err:
         raise ConfigError(f"could not parse overrides: {err}") from None
+    layers = [to_hybridrl_sections(layer) for layer in layers]
     for layer in layers:
         _check_keys(layer, keys)
         _words_back(layer)
