@@ -198,6 +198,17 @@ def test_epochs_decide_the_length_unless_steps_are_set():
     assert sft_steps(_cfg(total_epochs=3, total_training_steps=5), batches_per_epoch=2) == 5
 
 
+def test_sft_run_ends_when_its_epochs_do_as_verls_loop():
+    """verl's SFT trainer loops over total_epochs and returns at total_training_steps: whichever comes first (the
+    data was reused past the epochs here); the LR schedule spans total_training_steps; 4 epochs by default."""
+    from hybridrl.sft.trainer import sft_run_steps, sft_steps
+
+    assert (sft_run_steps(_cfg(total_epochs=1, total_training_steps=10), 7),
+            sft_steps(_cfg(total_epochs=1, total_training_steps=10), 7)) == (7, 10)
+    assert sft_run_steps(_cfg(total_epochs=2, total_training_steps=10), 7) == 10
+    assert sft_run_steps(_cfg(), 7) == 28
+
+
 def test_openai_tool_calls_are_trained_as_the_agent_loops_text():
     """An assistant turn with OpenAI-style `tool_calls` (content None) tokenizes as the same turn with the Hermes
     <tool_call> text the agent loop parses (they were dropped: an empty turn was trained); a malformed call is one

@@ -128,8 +128,9 @@ class SFTConfig:
     micro_batch_size_per_gpu: int = 8
     """Trajectories per forward/backward on one DP rank."""
     total_training_steps: int = 0
-    """Optimizer steps; 0 (the default, as verl's null): total_epochs over the data."""
-    total_epochs: int = 1
+    """Optimizer steps (and the LR schedule's length); 0 (the default, as verl's null): total_epochs over the
+    data. As verl's SFT loop, the run also ends when total_epochs passes are done, whichever comes first."""
+    total_epochs: int = 4
     """Epochs over the data when total_training_steps is 0 (a set total_training_steps decides alone)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and LR schedule of the SFT run."""

@@ -167,8 +167,15 @@ def _setup(cfg: Config):
 
 
 def sft_steps(sft, batches_per_epoch: int) -> int:
-    """sft.total_training_steps, or with 0 (the default) sft.total_epochs passes over the data."""
+    """The LR schedule's length: sft.total_training_steps, or with 0 (the default) sft.total_epochs passes over
+    the data."""
     return sft.total_training_steps or batches_per_epoch * sft.total_epochs
+
+
+def sft_run_steps(sft, batches_per_epoch: int) -> int:
+    """The steps the run lasts, as verl's SFT loop: the schedule's, ended early when total_epochs passes over the
+    data are done."""
+    return min(sft_steps(sft, batches_per_epoch), batches_per_epoch * sft.total_epochs)
 
 
 def run_sft(cfg: Config) -> int:
@@ -192,16 +199,17 @@ def run_sft(cfg: Config) -> int:
                          deadline(cfg.trainer.max_runtime, cfg.trainer.stop_margin_s))
     stops.clear_stop_file(ckpt.latest())
     losses, code = [], 0
-    for step, batch in zip(range(start + 1, total + 1), loader.batches_after(start)):
+    last = sft_run_steps(sc, len(loader))
+    for step, batch in zip(range(start + 1, last + 1), loader.batches_after(start)):
         metrics = trainer.step(batch)
         losses.append(metrics["sft/loss"])
-        if val is not None and (step == total or (sc.test_freq and step % sc.test_freq == 0)):
+        if val is not None and (step == last or (sc.test_freq and step % sc.test_freq == 0)):
             metrics.update(trainer.validate(val.one_pass()))
         writer.log(metrics, step, ("sft/loss", "sft/grad_norm", "sft/lr", "val/loss"))
-        reason, at_the_end = stops.at_step_end(step, total, groups.device)
+        reason, at_the_end = stops.at_step_end(step, last, groups.device)
         if at_the_end:
             stops.ended_as_planned(step, at_the_end)
-        if saves_at(step, total, sc.save_freq, reason):
+        if saves_at(step, last, sc.save_freq, reason):
             trainer.save_checkpoint(saver, step)
         if reason:
             code = stops.stopped(step, reason, ckpt.latest())
