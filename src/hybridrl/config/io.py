@@ -15,7 +15,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from hybridrl.config import Config, ConfigError
 from hybridrl.config.algorithm import ASYNC_ROLLOUT_IS
-from hybridrl.config.verl_sections import MOVED_KEYS, to_hybridrl_sections
+from hybridrl.config.verl_sections import MOVED_KEYS, drop_not_read, to_hybridrl_sections
+from hybridrl.log import print0
 
 
 def all_keys(cls=Config, prefix: str = "") -> List[str]:
@@ -160,7 +161,10 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
         layers.append(OmegaConf.from_dotlist(_parse_overrides(overrides)))
     except OmegaConfBaseException as err:
         raise ConfigError(f"could not parse overrides: {err}") from None
-    layers = [to_hybridrl_sections(layer) for layer in layers]
+    dropped = {}
+    layers = [drop_not_read(to_hybridrl_sections(layer), dropped) for layer in layers]
+    if dropped:
+        print0("verl keys not read here: " + "; ".join(f"{k}: {why}" for k, why in dropped.items()))
     for layer in layers:
         _check_keys(layer, keys)
         _words_back(layer)

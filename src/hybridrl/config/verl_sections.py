@@ -27,6 +27,27 @@ MOVED_KEYS = {"actor.rollout_is_threshold": "algorithm.rollout_correction.rollou
               **_MEGATRON}
 """Keys that live elsewhere here (older hybridrl names, verl keys of another section): the error names the new key."""
 
+NOT_READ = {
+    "trainer.nnodes": "the world is the launcher's (torchrun --nnodes, SLURM)",
+    "trainer.n_gpus_per_node": "the world is the launcher's (torchrun --nproc_per_node, SLURM)",
+    "trainer.device": "CUDA where there is one, else the CPU",
+    "trainer.ray_wait_register_center_timeout": "no Ray", "trainer.ray_timeline": "no Ray (trainer.timeline_dir)",
+    "trainer.esi_redundant_time": "preemption is read from signals and trainer.max_runtime",
+    "trainer.del_local_ckpt_after_load": "checkpoints stay where they are",
+    "trainer.log_val_generations": "validation generations go to trainer.validation_data_dir",
+    "trainer.balance_batch": "rows stay on the DP rank that generated them (no length balancing across ranks)",
+    "data.return_raw_chat": "each row's raw messages are always kept",
+    "data.return_raw_input_ids": "each row's raw messages are always kept",
+    "data.return_full_prompt": "each row's raw messages are always kept",
+    "data.dataloader_num_workers": "prompts are read in the trainer process",
+    "data.validation_shuffle": "validation reads its prompts in file order",
+    "actor.strategy": "megatron-core always", "ref.strategy": "megatron-core always",
+    "critic.strategy": "megatron-core always",
+    "model.trust_remote_code": "configs and tokenizers load without remote code",
+    "rollout.mode": "the engine runs in the training processes",
+}
+"""verl keys with nothing to set here: accepted, named once with why, and dropped."""
+
 
 def to_hybridrl_sections(layer: DictConfig) -> DictConfig:
     """The layer with verl's sections moved to hybridrl's (merged into what the layer already sets there)."""
@@ -53,3 +74,13 @@ def to_hybridrl_sections(layer: DictConfig) -> DictConfig:
     if "actor_rollout_ref" in out and not len(out["actor_rollout_ref"]):
         del out["actor_rollout_ref"]
     return out
+
+
+def drop_not_read(layer: DictConfig, dropped: dict) -> DictConfig:
+    """The layer without NOT_READ's keys (a key set to null or false is dropped the same); `dropped` gets each."""
+    for key, reason in NOT_READ.items():
+        section, name = key.split(".")
+        if isinstance(layer.get(section), DictConfig) and name in layer[section]:
+            del layer[section][name]
+            dropped[key] = reason
+    return layer
