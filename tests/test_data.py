@@ -357,3 +357,14 @@ def test_malformed_json_names_the_line(tmp_path, tok):
     listed = tmp_path / "list.jsonl"
     listed.write_text(json.dumps(row("1+1=")) + "\n[1, 2]\n")
     assert "row 1 is a list, not an object" in _error(tmp_path, tok, str(listed))
+
+
+def test_json_records_keep_the_keys_the_first_record_lacks(tmp_path, tok):
+    """pyarrow's from_pylist takes the columns of the first record only: a later record's extra_info was dropped."""
+    import json
+
+    first = {k: v for k, v in row("1+1=", "2", 0).items() if k != "extra_info"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(first) + "\n" + json.dumps(row("2+2=", "4", 1)) + "\n")
+    got = PromptDataset([str(path)], tok, DataConfig()).rows
+    assert [r.extra_info for r in got] == [{}, {"index": 1}]

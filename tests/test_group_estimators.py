@@ -92,3 +92,29 @@ def test_actor_config_picks_each_loss_with_its_settings():
     geo = actor("actor.policy_loss.loss_mode=geo_mean", "actor.loss_agg_mode=token-mean")
     assert _surrogate(geo).func is token_losses.geo_mean_policy_loss and _policy_agg(geo) == "seq-mean-token-mean"
     assert _policy_agg(actor("actor.loss_agg_mode=token-sum")) == "token-sum"
+
+
+def test_gmpo_in_bypass_mode_counts_rejected_rows_not_tokens():
+    """Bypass mode's rejection rescales the policy term by what is left of its normaliser: rows for GMPO (its
+    mean is over responses), not the loss_agg_mode's tokens. A token rejected inside a row that keeps others
+    leaves GMPO's rows, so its loss is the function's on the kept mask (it was cut by the share of tokens)."""
+    from types import SimpleNamespace
+
+    from hybridrl.config import RolloutCorrectionConfig
+    from hybridrl.config.io import load_config
+    from hybridrl.workers.actor import ActorWorker, _surrogate
+
+    cfg = load_config("", ["actor.policy_loss.loss_mode=geo_mean", "actor.loss_agg_mode=token-mean"]).actor
+    bypass = RolloutCorrectionConfig(bypass_mode=True, loss_type="ppo_clip", rollout_rs="token_k1",
+                                     rollout_rs_threshold="0.5_2.0")
+    worker = SimpleNamespace(cfg=cfg, bypass=bypass, loss_scale_factor=4)
+    rollout = torch.full((2, 4), -1.0)
+    log_prob = rollout.clone()
+    log_prob[0, 1] = 0.0  # ratio e: outside [0.5, 2], rejected; the rest of row 0 and row 1 stay
+    adv = torch.tensor([[1.0] * 4, [-0.5] * 4])
+    mask = torch.ones(2, 4)
+    loss, _, _ = ActorWorker._policy_loss(worker, {"response_mask": mask, "advantages": adv}, log_prob, rollout)
+    kept = mask.clone()
+    kept[0, 1] = 0
+    want, _ = _surrogate(cfg)(rollout, log_prob, adv, kept)
+    assert loss.item() == pytest.approx(want.item())

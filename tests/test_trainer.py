@@ -357,9 +357,11 @@ def test_dry_run_and_profile(tmp_path):
     import re
 
     script = [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
-    dry = subprocess.run(script + ["--dry-run"] + _overrides(tmp_path, ["algorithm.adv_estimator=gae"]),
+    dry = subprocess.run(script + ["--dry-run"] + _overrides(tmp_path, ["algorithm.adv_estimator=gae",
+                                                                       f"trainer.rollout_data_dir={tmp_path}/dumps"]),
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert dry.returncode == 0, dry.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "dumps"), "a dry run dumps no generations"
     for fragment in ("actor/pg_loss", "critic/vf_loss", "critic/advantages/mean", "process groups",
                      "memory per GPU", "Ready for real training"):
         assert fragment in dry.stdout, fragment

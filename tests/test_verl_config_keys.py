@@ -86,3 +86,47 @@ def test_verl_keys_with_nothing_to_set_are_named_and_dropped(capsys):
         assert key in out, key
     with pytest.raises(ConfigError, match="unknown config key 'data.return_everything'"):
         load_config("", ["data.return_everything=true"])
+
+
+def test_references_into_verls_sections_follow_them(tmp_path):
+    """verl's YAML repeats values by reference (${actor_rollout_ref.actor.ppo_mini_batch_size}): the references move
+    with the sections (they raised an uncaught InterpolationKeyError); one that names nothing is a ConfigError;
+    verl's null custom_reward_function is the built-in reward."""
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  actor: {ppo_mini_batch_size: 16, optim: {lr: 2.0e-6}}\n"
+                    "critic:\n  ppo_mini_batch_size: ${actor_rollout_ref.actor.ppo_mini_batch_size}\n"
+                    "  optim: {lr: '${oc.select:actor_rollout_ref.actor.optim.lr,1e-5}'}\n"
+                    "custom_reward_function: {path: null, name: null}\n")
+    cfg = load_config(str(path))
+    assert (cfg.critic.ppo_mini_batch_size, cfg.critic.optim.lr) == (16, 2e-6)
+    assert (cfg.reward.custom_function.path, cfg.reward.custom_function.name) == ("", "compute_score")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("critic:\n  ppo_mini_batch_size: ${nowhere.x}\n")
+    with pytest.raises(ConfigError, match="nowhere.x"):
+        load_config(str(bad))
+
+
+def test_planned_moe_dispatch_is_per_gpu_under_context_parallelism():
+    """With a token budget, CP 2 puts twice the rows in a micro-batch and half of each row on a GPU: the update's
+    dispatch buffers per GPU are CP 1's (they were counted twice)."""
+    from hybridrl.planner.plan import estimate
+
+    def dispatch(cp):
+        cfg = load_config("configs/tiny_cpu_moe.yaml", [f"parallel.context_parallel_size={cp}", "actor.use_dynamic_bsz=true",
+                                                        "actor.ppo_max_token_len_per_gpu=64", "data.max_prompt_length=32",
+                                                        "data.max_response_length=32",
+                                                        "parallel.expert_model_parallel_size=1"])
+        phase = estimate(cfg, cp, vocab_size=64).phase("actor update")
+        return dict(phase.items)["actor/dispatch"]
+    assert dispatch(2) == pytest.approx(dispatch(1))
+
+
+def test_ignore_eos_reaches_validation_too():
+    """verl's vLLM server sets ignore_eos on every request: validation ran to the eos here."""
+    from types import SimpleNamespace
+
+    from hybridrl.tokenizer import load_tokenizer
+    from hybridrl.trainer.ppo import PPOTrainer
+
+    trainer = SimpleNamespace(cfg=load_config("", ["rollout.ignore_eos=true"]), tok=load_tokenizer("builtin:tiny"))
+    assert PPOTrainer.val_sampling(trainer).ignore_eos and PPOTrainer.train_sampling(trainer).ignore_eos

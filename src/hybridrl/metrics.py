@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -189,6 +190,14 @@ def wandb_mode() -> str:
         return "offline"
 
 
+def _line_step(line: str):
+    """The step of one file-logger line; None for a blank or damaged one (a write cut short), which goes."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 STEP_KEY = "training/global_step"
 """The x axis of every W&B chart: a field of each logged row, not W&B's own `step`."""
 
@@ -248,7 +257,7 @@ class MetricsWriter:
         if self.file is not None:  # the lines past `step` go (rewritten whole: temp + rename), the rest stay
             self.file.close()
             with open(self.file_path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+                kept = [line for line in f if _line_step(line) is not None and _line_step(line) <= step]
             tmp = f"{self.file_path}.tmp-{os.getpid()}"
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(kept)
@@ -266,7 +275,8 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log({**metrics, STEP_KEY: step})
         if self.file is not None:
-            self.file.write(json.dumps({"step": step, "data": metrics}, default=float) + "\n")
+            data = {k: float(v) if math.isfinite(float(v)) else None for k, v in metrics.items()}  # NaN: null
+            self.file.write(json.dumps({"step": step, "data": data}, allow_nan=False) + "\n")
             self.file.flush()
         if self.console and console:
             keys = console_keys or sorted(metrics)

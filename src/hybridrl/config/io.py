@@ -162,13 +162,18 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
     except OmegaConfBaseException as err:
         raise ConfigError(f"could not parse overrides: {err}") from None
     dropped = {}
-    layers = [drop_not_read(to_hybridrl_sections(layer), dropped) for layer in layers]
+    try:
+        layers = [drop_not_read(to_hybridrl_sections(layer), dropped) for layer in layers]
+        for layer in layers:
+            _check_keys(layer, keys)
+            _words_back(layer)
+            _one_element_lists(layer)
+    except ConfigKeyError as err:
+        raise _unknown_key_error(err.full_key or str(err.key)) from None
+    except OmegaConfBaseException as err:  # a ${...} that names no key, a malformed value
+        raise ConfigError(f"invalid config: {str(err).splitlines()[0]}") from None
     if dropped:
         print0("verl keys not read here: " + "; ".join(f"{k}: {why}" for k, why in dropped.items()))
-    for layer in layers:
-        _check_keys(layer, keys)
-        _words_back(layer)
-        _one_element_lists(layer)
     try:
         merged = OmegaConf.merge(schema, *_async_defaults(layers), *layers)
         _check_finite(OmegaConf.to_container(merged, resolve=True))

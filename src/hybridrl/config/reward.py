@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from hybridrl.config.checks import check, one_of
 from hybridrl.config.training import OptimConfig
@@ -9,10 +10,15 @@ from hybridrl.config.training import OptimConfig
 
 @dataclass(frozen=True)
 class CustomRewardConfig:
-    path: str = ""
-    """Python file with a user reward function; empty: the built-in registry by data_source."""
-    name: str = "compute_score"
-    """Name of the function in that file."""
+    path: Optional[str] = ""
+    """Python file with a user reward function; empty or null (verl's default): the built-in registry by
+    data_source."""
+    name: Optional[str] = "compute_score"
+    """Name of the function in that file; null: compute_score (verl's)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", self.path or "")
+        object.__setattr__(self, "name", self.name or "compute_score")
 
 
 @dataclass(frozen=True)

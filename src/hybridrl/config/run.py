@@ -127,11 +127,11 @@ class SFTConfig:
     """Trajectories per optimizer step, over all DP ranks."""
     micro_batch_size_per_gpu: int = 8
     """Trajectories per forward/backward on one DP rank."""
-    total_training_steps: int = 0
-    """Optimizer steps (and the LR schedule's length); 0 (the default, as verl's null): total_epochs over the
-    data. As verl's SFT loop, the run also ends when total_epochs passes are done, whichever comes first."""
+    total_training_steps: Optional[int] = 0
+    """Optimizer steps (and the LR schedule's length); 0 or null (the default, as verl's null): total_epochs over
+    the data. As verl's SFT loop, the run also ends when total_epochs passes are done, whichever comes first."""
     total_epochs: int = 4
-    """Epochs over the data when total_training_steps is 0 (a set total_training_steps decides alone)."""
+    """Passes over the data, at most (verl's SFT default, 4)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and LR schedule of the SFT run."""
     output_dir: str = "outputs/sft/hf"
@@ -157,6 +157,8 @@ class SFTConfig:
         check(self.max_length > 1, "sft.max_length must be > 1")
         check(self.train_batch_size > 0, "sft.train_batch_size must be > 0")
         check(self.micro_batch_size_per_gpu > 0, "sft.micro_batch_size_per_gpu must be > 0")
+        if self.total_training_steps is None:  # verl's null: the epochs decide
+            object.__setattr__(self, "total_training_steps", 0)
         check(self.total_training_steps >= 0, "sft.total_training_steps must be >= 0")
         check(self.total_epochs >= 1, "sft.total_epochs must be >= 1")
         check(self.test_freq >= 0, "sft.test_freq must be >= 0 (0: validate after the last step only)")

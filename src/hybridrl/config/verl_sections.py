@@ -4,6 +4,8 @@ go to the sections hybridrl has for them (`actor`, `rollout`, `ref`, `model`, `r
 with another home here are named by the error (`MOVED_KEYS`)."""
 from __future__ import annotations
 
+import re
+
 from omegaconf import DictConfig, OmegaConf
 
 SECTIONS = {("actor_rollout_ref", "actor"): ("actor",), ("actor_rollout_ref", "rollout"): ("rollout",),
@@ -53,7 +55,7 @@ def to_hybridrl_sections(layer: DictConfig) -> DictConfig:
     """The layer with verl's sections moved to hybridrl's (merged into what the layer already sets there)."""
     if not any(path[0] in layer for path in SECTIONS):
         return layer
-    out = OmegaConf.create(OmegaConf.to_container(layer, resolve=False))
+    out = OmegaConf.create(_moved_references(OmegaConf.to_container(layer, resolve=False)))
     for verl_path, ours in SECTIONS.items():
         parent, *rest = verl_path
         node = out.get(parent)
@@ -84,3 +86,17 @@ def drop_not_read(layer: DictConfig, dropped: dict) -> DictConfig:
             del layer[section][name]
             dropped[key] = reason
     return layer
+
+
+def _moved_references(node):
+    """The container with ${...} references to verl's sections pointed at hybridrl's (verl's YAML writes
+    `${actor_rollout_ref.actor.ppo_mini_batch_size}` where a value repeats another)."""
+    if isinstance(node, dict):
+        return {k: _moved_references(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_moved_references(v) for v in node]
+    if isinstance(node, str) and "${" in node:
+        for verl_path, ours in SECTIONS.items():
+            node = re.sub(r"(\$\{(?:oc\.select:)?)" + re.escape(".".join(verl_path)) + r"(?=[.}:,])",
+                          lambda m, to=".".join(ours): m.group(1) + to, node)
+    return node

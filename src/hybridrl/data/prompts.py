@@ -102,8 +102,9 @@ def read_data_table(path: str, what: str, missing_fix: str, layout_fix: str):
         if bad is not None:
             raise DataError(f"{what} '{path}' row {bad} is a {type(records[bad]).__name__}, not an object of named "
                             f"fields; {layout_fix}")
+        columns = dict.fromkeys(key for record in records for key in record)  # every record's, in first-seen order
         try:
-            return pa.Table.from_pylist(records)
+            return pa.Table.from_pydict({key: [record.get(key) for record in records] for key in columns})
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise DataError(f"{what} '{path}': its records do not share one layout ({e}); give every record the "
                             f"same keys with values of the same type, and {layout_fix}") from e

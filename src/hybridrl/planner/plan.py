@@ -342,7 +342,7 @@ def _update_phase(ctx: _Ctx, stage: int, role: str) -> Phase:
                                       ctx.cfg.parallel.recompute_activations, ctx.dtype, aux_loss, ctx.split)
     items.append((f"{role}/activations", acts))
     if ctx.arch.is_moe:  # one MoE layer's dispatch buffers at a time, forward and backward
-        dispatch = mem.dispatch_bytes(ctx.arch, ctx.seq, micro, lay.tp, lay.ep, ctx.dtype)
+        dispatch = mem.dispatch_bytes(ctx.arch, ctx.seq, micro / lay.cp, lay.tp, lay.ep, ctx.dtype)  # 1/cp of each row
         items.append((f"{role}/dispatch", dispatch))
     if stage == lay.pp - 1:
         head = mem.head_activation_bytes(ctx.arch, ctx.seq, micro, lay.tp, ctx.dtype, critic,

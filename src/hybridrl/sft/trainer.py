@@ -191,8 +191,7 @@ def run_sft(cfg: Config) -> int:
     writer = open_writer(cfg, le.rank == 0, suffix="_sft")
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
     start = trainer.resume(resume_from)
-    if start:
-        writer.resumed_at(start)
+    writer.resumed_at(start)  # a fresh start (0) too: what an earlier attempt logged in these sinks goes
     val = sft_loader(cfg, tokenizer, groups, sc.val_files) if sc.val_files else None
     saver = CheckpointWriter(ckpt)
     stops = StopRequests(os.path.join(sc.default_local_dir, STOP_FILE),

@@ -253,8 +253,7 @@ def _train(cfg: Config, le, tokenizer, layout, groups, train_loader, val_loader,
             roles.critic.stop()
         return code
     start = _resume(trainer, resume_from, train_loader)
-    if start:
-        writer.resumed_at(start)
+    writer.resumed_at(start)  # a fresh start (0) too: what an earlier attempt logged in these sinks goes
     trainer.sync_rollout_weights()  # the starting weights, fresh or resumed: sent once
     val_history = []  # (step, validation metrics) of every validation, for the closing trend
     if val_loader is not None and tc.val_before_train:  # resumed too, at the step resumed from (as verl)

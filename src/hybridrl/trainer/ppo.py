@@ -109,7 +109,7 @@ class PPOTrainer:
         if source == "update" and not actor_steps:
             source = "pass"
         batch, scores, sample_metrics = self.sample(prompts, step, next_prompts, source)
-        if cfg.trainer.rollout_data_dir:
+        if cfg.trainer.rollout_data_dir and update:  # not the dry run's
             with t("dump_rollout_generations"):
                 generation_dump.dump_batch(cfg.trainer.rollout_data_dir, step, self.tok, batch, scores, self.step_rows,
                                            self.groups)
@@ -457,7 +457,8 @@ class PPOTrainer:
                       f"temperature {vk.temperature:g}; set rollout.val_kwargs.temperature=0 for greedy")
         return SamplingParams(n=vk.n, temperature=0.0 if greedy else vk.temperature, top_p=1.0 if greedy else vk.top_p,
                               top_k=-1 if greedy else vk.top_k, max_new_tokens=self.cfg.data.max_response_length,
-                              stop_token_ids=self.tok.eos_token_ids, seed=self.cfg.rollout.seed)
+                              stop_token_ids=self.tok.eos_token_ids, ignore_eos=self.cfg.rollout.ignore_eos,
+                              seed=self.cfg.rollout.seed)
 
     def validate(self, val_loader, step: int = 0) -> Dict[str, float]:
         """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...; multi-turn:

@@ -149,8 +149,9 @@ class ActorWorker(LogProbWorker):
             old_log_probs, log_probs, mb["advantages"], mask, self.bypass.loss_type, self.bypass.kwargs(), surrogate,
             **common)
         # rejected tokens add nothing, but the normaliser stays the batch's (verl's global token / row counts)
-        before = algos.agg_loss_denominator(mask, mode)
-        return loss * (algos.agg_loss_denominator(kept, mode) / before if before else 0.0), stats, metrics
+        policy_mode = _policy_agg(cfg)  # GMPO's term counts rows, whatever loss_agg_mode
+        before = algos.agg_loss_denominator(mask, policy_mode)
+        return loss * (algos.agg_loss_denominator(kept, policy_mode) / before if before else 0.0), stats, metrics
 
     def _loss(self, tokens, mb, share: Share, n_micro: int):
         cfg = self.cfg
