@@ -183,6 +183,16 @@ def test_more_reference_is_verl_0_9_1():
     assert MORE["verl_version"] == "0.9.1"
 
 
+def _same_loss_as_verl(loss, log_prob, stats, case):
+    """The loss, its gradient with respect to log_prob and every metric verl reported (and no other)."""
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-6), (loss.item(), case["loss"])
+    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-5)
+    assert {k.split("/")[1] for k in case["metrics"]} == set(stats)
+    for key, value in case["metrics"].items():
+        assert math.isclose(float(stats[key.split("/")[1]]), value, abs_tol=1e-6), key
+
+
 @pytest.mark.parametrize("case", MORE["token_sum"], ids=lambda c: f"b{len(c['mask'])}")
 def test_token_sum_matches_verl(case):
     out = algos.agg_loss(f32(case["loss_mat"]), f32(case["mask"]), "token-sum")
@@ -202,12 +212,7 @@ def test_cispo_gpg_dro_losses_and_gradients_match_verl(case):
     log_prob = f32(case["log_prob"]).requires_grad_(True)
     loss, stats = fn(f32(case["old_log_prob"]), log_prob, f32(case["advantages"]), f32(case["mask"]),
                      agg_mode=case["agg_mode"])
-    (grad,) = torch.autograd.grad(loss, log_prob)
-    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-6), (loss.item(), case["loss"])
-    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-5)
-    assert {k.split("/")[1] for k in case["metrics"]} == set(stats)
-    for key, value in case["metrics"].items():
-        assert math.isclose(float(stats[key.split("/")[1]]), value, abs_tol=1e-6), key
+    _same_loss_as_verl(loss, log_prob, stats, case)
 
 
 @pytest.mark.parametrize("case", MORE["estimators"], ids=lambda c: f"{c['estimator']}-{c['norm_by_std']}")
@@ -249,9 +254,4 @@ def test_geo_mean_clip_cov_kl_cov_match_verl(case):
     loss, stats = fn(f32(case["old_log_prob"]), log_prob, f32(case["advantages"]), mask)
     if case["loss_mode"] == "geo_mean":
         loss = loss * (mask.sum(-1) > 0).sum() / mask.shape[0]
-    (grad,) = torch.autograd.grad(loss, log_prob)
-    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-6), (loss.item(), case["loss"])
-    torch.testing.assert_close(grad, f32(case["grad"]), atol=1e-6, rtol=1e-5)
-    assert {k.split("/")[1] for k in case["metrics"]} == set(stats)
-    for key, value in case["metrics"].items():
-        assert math.isclose(float(stats[key.split("/")[1]]), value, abs_tol=1e-6), key
+    _same_loss_as_verl(loss, log_prob, stats, case)
