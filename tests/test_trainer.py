@@ -121,8 +121,10 @@ def test_val_only_validates_and_ends(tmp_path):
 
     run_distributed(_train, 1, TINY, _overrides(tmp_path, [
         "trainer.val_only=true", "trainer.val_before_train=true", "trainer.save_freq=1", "trainer.total_training_steps=2",
-        f"trainer.export_hf_dir={tmp_path}/hf", f"trainer.validation_data_dir={tmp_path}/val"]))
+        f"trainer.export_hf_dir={tmp_path}/hf", f"trainer.validation_data_dir={tmp_path}/val",
+        "trainer.log_val_generations=3"]))
     scalars = read_scalars(tmp_path)
+    _check_logged_generations(tmp_path, 3)
     assert set(scalars["val-core/synthetic/arith/acc/mean@1"]) == {0}
     assert not [k for k in scalars if k.startswith("actor/")] and not list((tmp_path / "ckpt").glob("global_step_*"))
     assert not (tmp_path / "hf").exists() and (tmp_path / "val" / "0.jsonl").exists()
@@ -130,6 +132,25 @@ def test_val_only_validates_and_ends(tmp_path):
         load_config(TINY, ["trainer.val_only=true", "trainer.val_before_train=false"])
     with pytest.raises(ConfigError, match="set data.val_files"):
         load_config(TINY, ["trainer.val_only=true", "data.val_files=[]"])
+
+
+def _check_logged_generations(tmp_path, n):
+    """verl's trainer.log_val_generations: n of the validation's (prompt, response, score), chosen as verl does
+    (sorted by prompt, shuffled by RandomState(42)), as TensorBoard text at the validation's step."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = [json.loads(line) for line in (tmp_path / "val" / "0.jsonl").read_text().splitlines()]
+    chosen = sorted(((d["input"], d["output"], d["score"]) for d in lines), key=lambda s: s[0])
+    np.random.RandomState(42).shuffle(chosen)
+    (path,) = glob.glob(os.path.join(str(tmp_path), "tb", "**", "events.out.tfevents.*"), recursive=True)
+    acc = EventAccumulator(path, size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("val/generations/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 0 and text.count("### Sample") == n
+    for i, (prompt, response, score) in enumerate(chosen[:n]):
+        assert f"### Sample {i + 1}\n**Input:** {prompt}\n\n**Output:** {response}\n\n**Score:** {score}" in text
 
 
 # What the single-process run a layout is compared with shares with it: the estimator and what changes the

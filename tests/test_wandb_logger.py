@@ -18,7 +18,8 @@ def test_wandb_offline_run_holds_every_metric_and_the_config(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "train_ppo.py"), "--config", TINY]
         + _overrides(tmp_path, ["trainer.total_training_steps=3", "trainer.logger=[console,tensorboard,wandb]",
-                                "trainer.project_name=proj", "trainer.experiment_name=exp", "actor.optim.lr=2e-3"]),
+                                "trainer.project_name=proj", "trainer.experiment_name=exp", "actor.optim.lr=2e-3",
+                                "trainer.test_freq=3", "trainer.log_val_generations=2"]),
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = glob.glob(str(tmp_path / "tb" / "proj" / "exp" / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -30,6 +31,9 @@ def test_wandb_offline_run_holds_every_metric_and_the_config(tmp_path):
         for step, value in by_step.items():
             assert history[step][tag] == pytest.approx(value, rel=1e-6), (tag, step)
     assert {"actor/pg_loss", "critic/score/mean", "timing_s/gen"} <= set(history[3])
+    # verl's trainer.log_val_generations: a table of (step, input_i, output_i, score_i), a row per validation
+    row = history[3]
+    assert (row["val/generations/_type"], row["val/generations/nrows"], row["val/generations/ncols"]) == ("table-file", 1, 7)
     config = wandb_files.config(runs[0])  # the resolved config, override included
     assert config["actor"]["optim"]["lr"] == 2e-3 and config["trainer"]["experiment_name"] == "exp"
     assert config["rollout"]["n"] == 2 and config["data"]["max_response_length"] == 4

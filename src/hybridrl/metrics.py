@@ -285,6 +285,24 @@ class MetricsWriter:
             tqdm.write(f"step:{step} - " + " - ".join(f"{k}:{metrics[k]:.4g}" for k in keys if k in metrics),
                        file=sys.stdout)
 
+    def log_generations(self, samples, step: int) -> None:
+        """verl's validation samples, (prompt, response, score) each: a markdown text on TensorBoard
+        (val/generations) and a W&B table with a row per validation (step, input_i, output_i, score_i)."""
+        if not self.enabled or not samples:
+            return
+        if self.tb is not None:
+            text = f"**Generation Results - Step {step}**\n\n" + "".join(
+                f"### Sample {i + 1}\n**Input:** {p}\n\n**Output:** {r}\n\n**Score:** {s}\n\n"
+                for i, (p, r, s) in enumerate(samples))
+            self.tb.add_text("val/generations", text, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            columns = ["step"] + [f"{k}_{i + 1}" for i in range(len(samples)) for k in ("input", "output", "score")]
+            self._generations = getattr(self, "_generations", []) + [[step] + [x for s in samples for x in s]]
+            self.wandb.log({"val/generations": wandb.Table(columns=columns, data=self._generations), STEP_KEY: step})
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()

@@ -40,6 +40,9 @@ class TrainerConfig:
     rollout_data_dir: Optional[str] = None
     """verl's: each training step's responses as <step>.jsonl here (input, output, gts, score, step and the reward's
     extra values per response); null: none."""
+    log_val_generations: int = 0
+    """verl's: this many validation responses (prompt, response, score) to TensorBoard (text) and W&B (a table
+    growing a row per validation) at every validation."""
     validation_data_dir: Optional[str] = None
     """verl's: each validation's responses as <step>.jsonl here (step 0 before training); null: none."""
     default_local_dir: str = ""

@@ -58,11 +58,25 @@ def write_generations(folder: str, step: int, lines: List[tuple]) -> str:
     return path
 
 
-def write_gathered(folder: str, step: int, local: List[tuple], groups) -> None:
-    """Every DP rank's lines (this rank's: `local`), in rank order, written by the first rank of the replicas."""
+def publish_validation(trainer_cfg, step: int, local: List[tuple], groups, writer) -> None:
+    """A validation's lines of every DP rank (this rank's: `local`), in rank order: `<step>.jsonl` in
+    trainer.validation_data_dir (the first rank of the replicas writes), and trainer.log_val_generations of them
+    to the metric writer, chosen as verl does (sorted by prompt, shuffled with seed 42, the first N)."""
     lines = gather_objects_dp(local, groups)
-    if _writes(groups):
-        write_generations(folder, step, lines)
+    if trainer_cfg.validation_data_dir and _writes(groups):
+        write_generations(trainer_cfg.validation_data_dir, step, lines)
+    if trainer_cfg.log_val_generations:
+        writer.log_generations(pick_generations([line[:3] for line in lines], trainer_cfg.log_val_generations), step)
+
+
+def pick_generations(samples: List[tuple], n: int) -> List[tuple]:
+    """verl's choice of the (prompt, response, score) samples to show: sorted by prompt, shuffled by
+    numpy's RandomState(42), the first n (the same prompts at every validation while the set is the same)."""
+    import numpy as np
+
+    samples = sorted(samples, key=lambda s: s[0])
+    np.random.RandomState(42).shuffle(samples)
+    return samples[:n]
 
 
 def _writes(groups) -> bool:

@@ -462,12 +462,12 @@ class PPOTrainer:
 
     def validate(self, val_loader, step: int = 0) -> Dict[str, float]:
         """verl's validation metrics (val-core/<data_source>/<var>/mean@N, best@N, maj@N; val-aux/...; multi-turn:
-        val-aux/num_turns/min, max and mean over every response); with trainer.validation_data_dir, the responses
-        as `<step>.jsonl` there."""
+        val-aux/num_turns/min, max and mean over every response); the responses to trainer.validation_data_dir
+        and trainer.log_val_generations (generation_dump.publish_validation)."""
         sampling = self.val_sampling()
         samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
         turns = []  # multi-turn: each response's model turns (rollout/num_turns' count)
-        dump = []  # with validation_data_dir: (prompt, response, score, ground truth, extras) per response
+        keep, dump = self.cfg.trainer.validation_data_dir or self.cfg.trainer.log_val_generations, []
         for b, prompts in enumerate(val_loader):
             if len(prompts) == 0 and self.remote is None:  # split: every rank joins each request
                 continue
@@ -475,7 +475,7 @@ class PPOTrainer:
             if "num_turns" in batch:
                 turns += batch["num_turns"].tolist()
             scores, _, infos = self.score_details(batch, prompts, sampling.n, use_reward_model=False)  # rule-checked
-            if self.cfg.trainer.validation_data_dir:
+            if keep:
                 gts = [g for g in prompts.ground_truth for _ in range(sampling.n)]
                 dump += generation_dump.lines_of(self.tok, batch, scores, generation_dump.RowInfo.of(gts, infos))
             for i, score in enumerate(scores.tolist()):
@@ -484,8 +484,8 @@ class PPOTrainer:
                 # one uid per val row (verl: a uuid each): its rank, batch and place
                 samples.append((prompts.data_source[p], (self.groups.dp_rank, b, p), values))
         metrics = metrics_from_samples(gather_objects_dp(samples, self.groups))
-        if self.cfg.trainer.validation_data_dir:
-            generation_dump.write_gathered(self.cfg.trainer.validation_data_dir, step, dump, self.groups)
+        if keep:
+            generation_dump.publish_validation(self.cfg.trainer, step, dump, self.groups, self.writer)
         turns = gather_objects_dp(turns, self.groups)
         if turns:  # as verl's val-aux/num_turns/{min,max,mean}
             metrics.update({"val-aux/num_turns/min": float(min(turns)), "val-aux/num_turns/max": float(max(turns)),
