@@ -9,7 +9,7 @@ from hybridrl.trainer.ppo import PPOTrainer
 
 
 def _sampling(**val_kwargs):
-    cfg = SimpleNamespace(rollout=SimpleNamespace(val_kwargs=ValKwargsConfig(**val_kwargs), seed=0),
+    cfg = SimpleNamespace(rollout=SimpleNamespace(val_kwargs=ValKwargsConfig(**val_kwargs), seed=0, ignore_eos=False),
                           data=SimpleNamespace(max_response_length=8))
     return PPOTrainer.val_sampling(SimpleNamespace(cfg=cfg, tok=SimpleNamespace(eos_token_ids=[1])))
 

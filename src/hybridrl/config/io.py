@@ -16,7 +16,6 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from hybridrl.config import Config, ConfigError
 from hybridrl.config.algorithm import ASYNC_ROLLOUT_IS
 from hybridrl.config.verl_sections import MOVED_KEYS, drop_not_read, to_hybridrl_sections
-from hybridrl.log import print0
 
 
 def all_keys(cls=Config, prefix: str = "") -> List[str]:
@@ -172,8 +171,8 @@ def load_config(path: str = "", overrides: Iterable[str] = ()) -> Config:
         raise _unknown_key_error(err.full_key or str(err.key)) from None
     except OmegaConfBaseException as err:  # a ${...} that names no key, a malformed value
         raise ConfigError(f"invalid config: {str(err).splitlines()[0]}") from None
-    if dropped:
-        print0("verl keys not read here: " + "; ".join(f"{k}: {why}" for k, why in dropped.items()))
+    if dropped and int(os.environ.get("RANK", "0")) == 0:  # before any process group: the launcher's rank
+        print("verl keys not read here: " + "; ".join(f"{k}: {why}" for k, why in dropped.items()), flush=True)
     try:
         merged = OmegaConf.merge(schema, *_async_defaults(layers), *layers)
         _check_finite(OmegaConf.to_container(merged, resolve=True))
