@@ -161,3 +161,26 @@ def _endless_batches(loader):
     while True:
         for batch in loader:
             yield batch.index
+
+
+def test_the_epoch_of_each_step_as_verls_loop_counts_it(tmp_path):
+    """verl logs training/epoch, the pass over the data its step's batch belongs to (from 0): 5 batches an epoch,
+    so steps 1-5 are epoch 0 and 6-10 epoch 1, with staleness 1's prefetched batch counted where it was drawn
+    and a resumed feed picking up the epoch of the batch it serves."""
+    from hybridrl.trainer.loop import PromptFeed
+
+    for ahead in (False, True):
+        feed = PromptFeed(_arith_loader(tmp_path), ahead=ahead)
+        epochs = []
+        for _ in range(11):
+            feed.step_prompts(prefetch=ahead)
+            epochs.append(feed.epoch)
+        assert epochs == [0] * 5 + [1] * 5 + [2], ahead
+    feed = PromptFeed(_arith_loader(tmp_path), ahead=False)
+    for _ in range(5):
+        feed.step_prompts(prefetch=False)
+    resumed = _arith_loader(tmp_path)
+    resumed.load_state_dict(feed.resume_state())
+    again = PromptFeed(resumed, ahead=False)
+    again.step_prompts(prefetch=False)
+    assert again.epoch == 1

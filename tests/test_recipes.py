@@ -54,6 +54,7 @@ def test_dapo_recipe_runs_on_cpu_and_validates_only_at_the_end(tmp_path):
     for line in map(json.loads, path.read_text().splitlines()):
         logged.setdefault(line["step"], {}).update(line["data"])
     assert sorted(logged) == list(range(1, steps + 1))
+    assert [logged[s]["training/epoch"] for s in logged] == [0] * steps  # verl's: the first pass over the data
     for key in ("critic/score/mean", "actor/pg_loss", "train/num_gen_batches"):
         assert all(abs(logged[s][key] - scalars[key][s]) <= 1e-6 * max(1, abs(scalars[key][s])) for s in logged), key
 

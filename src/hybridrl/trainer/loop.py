@@ -66,13 +66,23 @@ class PromptFeed:
     def __init__(self, loader, ahead: bool):
         self.loader, self.ahead = loader, ahead
         self.batches, self.upcoming, self._before_upcoming = _endless(loader), None, None
+        self.epoch, self._upcoming_epoch = 0, 0
+        """The epoch (from 0) of the current step's prompts: verl's training/epoch."""
 
     def step_prompts(self, prefetch: bool):
         """This step's prompts; with `prefetch`, the next step's are drawn now into `upcoming`."""
-        prompts = self.upcoming if self.upcoming is not None else next(self.batches)
+        if self.upcoming is not None:
+            prompts, self.epoch = self.upcoming, self._upcoming_epoch
+        else:
+            prompts, self.epoch = next(self.batches), self._drawn_epoch()
         self._before_upcoming = self.loader.state_dict()
         self.upcoming = next(self.batches) if prefetch else None
+        self._upcoming_epoch = self._drawn_epoch()
         return prompts
+
+    def _drawn_epoch(self) -> int:
+        """The epoch of the batch drawn last (the loader's position already points past it)."""
+        return self.loader.epoch - 1 if self.loader.batch_index == 0 else self.loader.epoch
 
     def more(self):
         """One more prompt batch for the current step."""
@@ -322,7 +332,7 @@ def _steps(cfg: Config, le, trainer, layout, groups, train_loader, val_loader, c
         if validated:
             val_history.append((step, trainer.validate(val_loader, step)))
             metrics.update(val_history[-1][1])
-        metrics["training/global_step"] = step
+        metrics["training/global_step"], metrics["training/epoch"] = step, feed.epoch  # verl's
         rewards.append(metrics["critic/score/mean"])
         if "rollout/tool_calls/mean" in metrics:
             tool_calls.append(metrics["rollout/tool_calls/mean"])
