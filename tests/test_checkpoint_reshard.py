@@ -66,12 +66,13 @@ def _save_at_tp2(tmp):
 def _resume_at(tmp, path, tp, pp):
     """Resume, export, run one step and save it (the step's checkpoint goes under tmp/ckpt)."""
     from hybridrl.checkpoint import CheckpointManager, CheckpointWriter
-    from hybridrl.trainer.loop import _endless, _resume, _save
+    from hybridrl.trainer.loop import _resume, _save
+    from hybridrl.trainer.prompt_feed import endless
 
     trainer, loader = _trainer(tmp, tp, pp)
     step = _resume(trainer, path, loader)
     state = exported(trainer.actor, trainer.roles.spec, trainer.groups)
-    metrics = trainer.train_step(next(_endless(loader)), step + 1)
+    metrics = trainer.train_step(next(endless(loader)), step + 1)
     _save(CheckpointWriter(CheckpointManager(os.path.join(tmp, "ckpt"), 1)), trainer, loader.state_dict(), step + 1)
     return dict(state, step=step, grad_norm=metrics["actor/grad_norm"], data=loader.state_dict())
 
