@@ -226,6 +226,7 @@ class MetricsWriter:
         self.tb = None
         self.wandb = None
         self.log_dir = log_dir
+        self._generations = []  # the W&B table's rows so far: W&B takes a whole table per log
         self.file = None
         if enabled and "file" in sinks:  # verl's file logger: {"step": k, "data": {...}} per line
             self.file_path = os.environ.get("VERL_FILE_LOGGER_PATH") or os.path.join(log_dir, "metrics.jsonl")
@@ -300,7 +301,7 @@ class MetricsWriter:
             import wandb
 
             columns = ["step"] + [f"{k}_{i + 1}" for i in range(len(samples)) for k in ("input", "output", "score")]
-            self._generations = getattr(self, "_generations", []) + [[step] + [x for s in samples for x in s]]
+            self._generations.append([step] + [x for s in samples for x in s])
             self.wandb.log({"val/generations": wandb.Table(columns=columns, data=self._generations), STEP_KEY: step})
 
     def close(self) -> None:
