@@ -6,7 +6,8 @@ layout, `reshard._send_layout`). In the same processes, in alternation with the 
 (C) the collectives alone the layout needs (`_transport_seconds`: the floor of any handoff over gloo
 here) and (B) memcpy as the best sustained copy the machine does: the median of MEMCPY_COPIES copies
 `dst.copy_(src)` of max(bytes handed over, 2 x the last-level cache) into a buffer allocated and paged
-in once, with the handoff's threads (one per rank, both ranks at once). The handoff runs as the
+in once, with the handoff's threads (one per rank, both ranks at once). B runs before each of A and C:
+it evicts the cache, so both start from the same state, and each starts after a barrier. The handoff runs as the
 trainer runs it (rollout.verify_weights=fingerprint) and without verification. At TP 2 two more
 rows: an engine at rollout TP 2, once taking copies of the shards (direct path, share=False) and once
 reading the training tensors themselves (shared path, nothing copied: its time is the identity check).
@@ -58,6 +59,20 @@ def _memcpy_seconds(src, dst) -> list:
     return [bl.timed(dst.copy_, src)[0] / src.numel() for _ in range(MEMCPY_COPIES)]
 
 
+_BUFFERS: dict = {}
+
+
+def _reused(numel: int, dtype):
+    """A buffer of at least numel elements, allocated and paged in once per process (a fresh one per call
+    would put page faults in the collectives' time, which the handoff's engine, written in place, never pays)."""
+    import torch
+
+    buf = _BUFFERS.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _BUFFERS[dtype] = torch.zeros(numel, dtype=dtype)
+    return buf[:numel]
+
+
 def _transport_seconds(model, spec, groups) -> float:
     """The collectives alone that the handoff needs in this layout, into one reused buffer: an
     all-gather of every TP-split shard (TP), or a broadcast of every tensor from its stage (PP). No
@@ -75,7 +90,7 @@ def _transport_seconds(model, spec, groups) -> float:
     local = {hc.local_to_global(k, offset): v.detach() for k, v in weight_state(model).items()}
     names = list(hc.hf_to_mcore_name_map(spec))
     sizes = {g: torch.Size(hc.mcore_full_shape(g, spec, groups.tp)).numel() for g in names}
-    buf = torch.empty(max(sizes.values()), dtype=next(iter(local.values())).dtype)
+    buf = _reused(max(sizes.values()), next(iter(local.values())).dtype)
     dist.barrier()
     start = time.perf_counter()
     for g in names:
@@ -99,6 +114,7 @@ def body(folder: str, reps: int) -> dict:
     """Per rank: {(tp, pp, path, bucket_mb, verify): {"handoff": [s], "memcpy": [s per byte], "transport": [s],
     "report": last, "metered": report}}; path "resharded" (rollout TP 1), "direct" or "shared" (rollout TP 2)."""
     import torch
+    import torch.distributed as dist
 
     from hybridrl.models.hf_checkpoint import model_from_hf
     from hybridrl.placement.reshard import update_engine_weights
@@ -120,9 +136,13 @@ def body(folder: str, reps: int) -> dict:
                 for verify in VERIFY:
                     cell = _cell(out, (tp, pp, "resharded", bucket_mb, verify))
                     cell["samples"].append(bl.sample())
+                    # B before each of A and C (same process, same threads): it also evicts the cache, so A and C
+                    # start from the same state, both after a barrier (a rank's lead is not counted in either)
+                    cell["memcpy"] += _memcpy_seconds(src, dst)
+                    dist.barrier()
                     report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify, share=False)  # A
-                    cell["transport"].append(_transport_seconds(model, spec, groups))  # C, right after A
-                    cell["memcpy"] += _memcpy_seconds(src, dst)  # B, same process, same threads
+                    cell["memcpy"] += _memcpy_seconds(src, dst)
+                    cell["transport"].append(_transport_seconds(model, spec, groups))  # C
                     cell["handoff"].append(report.seconds)
                     cell["report"] = report
             for path, equal_engine in equal.items():
@@ -152,7 +172,7 @@ def _rows(name: str, res: dict):
                           "-", "-", "-", "-"] + bl.stamp(cell["samples"]))
             continue
         copy_rate, hand_rate = 1 / per_byte / 2**30, r.total_bytes / hand / 2**30
-        # ratios per rep (A and C timed back to back), then their median: the load moves between reps
+        # ratios per rep (A and C timed moments apart), then their median: the load moves between reps
         wire = (f"{100 * bl.median([c / h for c, h in zip(cell['transport'], cell['handoff'])]):.1f}%"
                 if cell["transport"] else "- (no collective)")
         bold = wire if not cell["transport"] or verify != VERIFY[0] or bucket_mb != 64 else f"**{wire}**"
@@ -200,12 +220,12 @@ def report(results: dict, reps: int) -> tuple:
             f"alternating reps. handoff A: `update_engine_weights` (resharded = megatron tensors into the engine's "
             f"own layout at rollout TP 1; direct = copies of the shards into an engine at the training layout; "
             f"shared = that engine reads the training tensors, nothing copied, the identity check timed); "
-            f"memcpy B: the median of {MEMCPY_COPIES} copies per rep of max(bytes handed over, 2 x the "
+            f"memcpy B: the median of {MEMCPY_COPIES} copies, before each A and each C, of max(bytes handed over, 2 x the "
             f"{last_level_cache_bytes() // 2**20} MiB last-level cache) into a buffer allocated and paged in once, "
             f"the handoff's threads; collectives alone C: the layout's gloo all-gathers (TP) or broadcasts (PP) into "
             f"one reused buffer (`_transport_seconds`), the floor of any handoff over gloo here. Rates are GiB/s per "
-            f"rank; `handoff / collectives alone` is the median over reps of C's time / A's (timed back to back, so "
-            f"a change of load between reps cancels); `load 1-min` is the range over the cell's reps.\n\n"
+            f"rank; `handoff / collectives alone` is the median over reps of C's time / A's (timed moments apart, so "
+            f"a change of load between reps cancels; each after B, which evicts the cache, and a barrier); `load 1-min` is the range over the cell's reps.\n\n"
             + bl.table(["model", "MiB stored", "training", "engine", "bucket MiB", "verify", "handoff",
                         "memcpy GiB/s", "handoff / collectives alone", "handoff / memcpy",
                         "collectives alone / memcpy"] + bl.STAMP_HEADER, speed)

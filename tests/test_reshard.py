@@ -336,6 +336,11 @@ def _handoffs(folder, tied_folder, bench_folder):
         res[f"copied_tp{tp}"] = (spy.nbytes, _layout_copy_bytes(spec, groups, tp, engine.groups.tp_rank))
     res["exact_report"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify="exact")
     res["faults"] = _faults(model, spec, groups)
+    reshard.OVERLAP_ON = ("cpu", "cuda")  # the order CUDA runs (a read-back while the next collective moves), on gloo
+    try:
+        res["faults_overlapped"] = _faults(model, spec, groups)
+    finally:
+        reshard.OVERLAP_ON = ("cuda",)
     res["vllm"] = _vllm_handoffs(model, spec, groups)
     tied_model, tied_spec = model_from_hf(tied_folder, groups)
     tied_engine = NativeEngine(tied_spec, 2)
@@ -490,14 +495,15 @@ def test_peak_memory_bound_holds_where_bucket_and_scratch_fill_it(runs):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("order", ["faults", "faults_overlapped"])
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_wrongly_stored_tensor_fails_the_handoff(runs, fault):
+def test_a_wrongly_stored_tensor_fails_the_handoff(runs, fault, order):
     victim = FAULTS[fault][0]
     for res in runs:
         for verify in ("fingerprint", "exact"):
-            error = res["faults"][fault, verify]
+            error = res[order][fault, verify]
             assert error is not None and victim in error, (fault, verify, error)
-        assert res["faults"][fault, "off"] is None  # the engine itself does not notice: the check does
+        assert res[order][fault, "off"] is None  # the engine itself does not notice: the check does
     assert all(r["exact_report"].verified and r["exact_report"].verify == "exact" for r in runs)
 
 

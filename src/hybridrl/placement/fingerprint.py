@@ -50,15 +50,16 @@ def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
     return x ^ (x >> 31)
 
 
-def _weights(n: int, device: torch.device, kind: str) -> torch.Tensor:
-    """n position weights: odd ones for rows, even ones for columns (cached per device)."""
+def _weights(start: int, n: int, device: torch.device, kind: str) -> torch.Tensor:
+    """The position weights of positions [start, start + n): odd ones for rows, even ones for columns (cached
+    per device)."""
     key = (device, kind)
     have = _POSITION_WEIGHTS.get(key)
-    if have is None or have.numel() < n:
-        size = 1 << max(n - 1, 63).bit_length()  # a power of two >= n: few regrowths, little slack
+    if have is None or have.numel() < start + n:
+        size = 1 << max(start + n - 1, 63).bit_length()  # a power of two >= start + n: few regrowths, little slack
         h = _mix(torch.arange(size, dtype=torch.int64, device=device), 1 if kind == "row" else 2)
         have = _POSITION_WEIGHTS[key] = h | 1 if kind == "row" else h * 2
-    return have[:n]
+    return have[start:start + n]
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
@@ -99,18 +100,20 @@ def _row_and_column_sums(bits: torch.Tensor) -> tuple:
 
 def _word_sums(t: torch.Tensor, origin: tuple[int, int]) -> tuple:
     """(row sums, column sums, row and column position weights, word bytes) of t placed at `origin`."""
-    bits = t.detach()
-    bits = _as_words(bits.reshape(1) if bits.dim() == 0 else bits)
+    bits = _as_words(t.detach().reshape(1) if t.dim() == 0 else t.detach())
     row0, col0 = origin
-    col0 = col0 * t.element_size() // bits.element_size()
+    size = bits.element_size()
+    if size != t.element_size():
+        col0 = col0 * t.element_size() // size
     if bits.dim() == 1:
         row_sums, col_sums = bits.sum(dim=0, keepdim=True, dtype=bits.dtype), bits
     else:
         row_sums, col_sums = _row_and_column_sums(bits)
-    row_sums = row_sums.reshape(-1)
-    m = _weights(row0 + row_sums.numel(), bits.device, "row")[row0:]
-    w = _weights(col0 + col_sums.numel(), bits.device, "col")[col0:]
-    return row_sums, col_sums, m, w, bits.element_size()
+        if row_sums.dim() > 1:
+            row_sums = row_sums.reshape(-1)
+    device = bits.device
+    return (row_sums, col_sums, _weights(row0, row_sums.numel(), device, "row"),
+            _weights(col0, col_sums.numel(), device, "col"), size)
 
 
 def weight_fingerprint(t: torch.Tensor, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:

@@ -83,10 +83,20 @@ class _Staging:
         return self._scratch[:torch.Size(shape).numel()].view(shape)
 
 
+OVERLAP_ON = ("cuda",)
+"""Device types where the handoff's read-backs run while the next collective moves (`_overlapped`). On CUDA the
+collective has its own stream and copy engines; over gloo its worker threads need the cores the digests would take:
+on 2 cores, 2 ranks, overlapping made the small bench model's verified handoff ~4 ms (15%) slower than running
+the two in turn (`benchmarks/bench_reshard.py`)."""
+
+
 def _overlapped(collective, *args, while_waiting=None, **kwargs) -> None:
-    """Run a collective; with `while_waiting`, start it asynchronously and call that meanwhile."""
-    if while_waiting is None:
+    """Run a collective, then `while_waiting`; on a device of OVERLAP_ON the collective is started asynchronously
+    and that runs meanwhile."""
+    if while_waiting is None or args[0].device.type not in OVERLAP_ON:
         collective(*args, **kwargs)
+        if while_waiting is not None:
+            while_waiting()
         return
     work = collective(*args, async_op=True, **kwargs)
     while_waiting()
@@ -300,12 +310,26 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     return n_tensors, n_buckets, total, max_bucket
 
 
+def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, device):
+    """[len(names), rt] int64: the sources' digest of each tensor's part that rollout-TP rank k stores, this rank's
+    shards digested once, before anything moves (`engine_layout.add_source_digest`), and the work handle of their
+    sum over the replica (one all-reduce, under way while the tensors stream; None where there is nothing to sum).
+    Up front, every stage digests its own shards at the same time: per bucket, a bucket held by one stage would
+    keep the others waiting at its check."""
+    digests = Fingerprints(device)
+    for g in names:
+        shard = source_tensor(local, g) if groups.pp_rank == hc.owner_stage(g, spec, groups.pp) else None
+        el.add_source_digest(digests, g, shard, spec, groups, rt)
+    sent = digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
+    return sent, el.reduce_digests(sent, groups)
+
+
 def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     """Each megatron tensor gathered (TP) and broadcast (PP) in the engine's own layout: straight into its
     parameter where that is the merged tensor (rollout TP 1, same vocabulary padding), else into a reused
-    scratch the engine takes its slice of (`engine.take_full`). Per bucket, the sources' digests (each
-    training rank's shard, digested once, `engine_layout.source_digests`) are summed over the replica and
-    compared with what the engine reads back from its parameters (`engine.layout_digests`)."""
+    scratch the engine takes its slice of (`engine.take_full`). The sources' digests (each training rank's
+    shard, digested once, `_source_digests`) are summed over the replica; per bucket, what the engine reads back
+    from its parameters (`engine.layout_digests`) is compared with them."""
     rt, rr, dtype = engine.shard_layout()
     local = global_weight_state(model, spec, groups)
     names = list(hc.hf_to_mcore_name_map(spec))
@@ -313,48 +337,47 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     scratch = el.Scratch(dtype, next(iter(targets.values())).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
-    bucket, digests, stored, held = [], Fingerprints(device), Fingerprints(device), 0
-    pending = []  # the tensor written last: the engine reads it back while the next one moves
+    verifying, overlap = verify != "off", device.type in OVERLAP_ON
+    sent, summing = _source_digests(names, local, spec, groups, rt, device) if verifying else (None, None)
+    row = {g: i for i, g in enumerate(names)}
+    bucket, stored, held = [], Fingerprints(device), 0
+    pending = []  # written, not yet read back: on CUDA the engine reads a tensor back while the next one moves
 
     def read_back():
-        if verify != "off" and pending:
+        if verifying and pending:
             engine.layout_digests(pending, stored)
         pending.clear()
 
     def flush():
+        nonlocal summing
         read_back()
-        if verify != "off":
-            sent = digests.result([(g, k) for g in bucket for k in range(rt)]).view(len(bucket), rt)
-            sent = el.reduce_digests(sent, groups)[:, rr]
+        if verifying:
             require_reported(bucket, stored)
-            el.check_digests(bucket, sent, stored.result(bucket), spec, HandoffError)
+            theirs = stored.result(bucket)
+            if summing is not None:
+                summing.wait()
+                summing = None
+            el.check_digests(bucket, sent[[row[g] for g in bucket], rr], theirs, spec, HandoffError)
         return 1, max(max_bucket, held)
 
     for g in names:
         size = _full_bytes(g, spec, groups.tp, dtype)
         if bucket and held + size > bucket_bytes:
             n_new, max_bucket = flush()
-            n_buckets, bucket, held = n_buckets + n_new, [], 0
-            digests, stored = Fingerprints(device), Fingerprints(device)
+            n_buckets, bucket, held, stored = n_buckets + n_new, [], 0, Fingerprints(device)
         param, full_shape = targets[g], hc.mcore_full_shape(g, spec, groups.tp)
         direct = rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
         into = (lambda shape, p=param: p) if direct else scratch.full
         owner = hc.owner_stage(g, spec, groups.pp)
         shard = source_tensor(local, g) if groups.pp_rank == owner else None
-
-        def meanwhile(g=g, shard=shard):  # touches nothing the collective writes:
-            # the sender's digest of its shard (zeros if it holds none) and the previous tensor's read-back
-            if verify != "off":
-                el.add_source_digest(digests, g, shard, spec, groups, rt)
-            read_back()
-
+        meanwhile = read_back if overlap else None  # touches nothing the collective writes
         full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \
             if shard is not None else into(full_shape)
         if groups.pp > 1:
             full = full.contiguous()
             _overlapped(dist.broadcast, full, group=groups.pp_group, group_src=owner,
                         while_waiting=meanwhile if groups.tp == 1 or shard is None else None)
-        elif groups.tp == 1:
+        elif groups.tp == 1 and overlap:
             meanwhile()
         if not direct:
             engine.take_full(g, full)
@@ -364,6 +387,8 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
             param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
         bucket.append(g)
         pending.append(g)
+        if not overlap:
+            read_back()  # while what was just written is in the cache
         held += size
         n_tensors, total = n_tensors + len(hc.hf_sources(g, spec)), total + param.nbytes
     if bucket:
