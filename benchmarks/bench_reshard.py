@@ -6,8 +6,9 @@ layout, `reshard._send_layout`). In the same processes, in alternation with the 
 (C) the collectives alone the layout needs (`_transport_seconds`: the floor of any handoff over gloo
 here) and (B) memcpy as the best sustained copy the machine does: the median of MEMCPY_COPIES copies
 `dst.copy_(src)` of max(bytes handed over, 2 x the last-level cache) into a buffer allocated and paged
-in once, with the handoff's threads (one per rank, both ranks at once). B runs before each of A and C:
-it evicts the cache, so both start from the same state, and each starts after a barrier. The handoff runs as the
+in once, with the handoff's threads (one per rank, both ranks at once). A and C each run after one copy of
+that buffer (it evicts the cache, so both start from the same state) and a barrier; a sample of either is the
+mean of enough runs to span SAMPLE_SECONDS (one ~20 ms timing here varies 2-3x). The handoff runs as the
 trainer runs it (rollout.verify_weights=fingerprint) and without verification. At TP 2 two more
 rows: an engine at rollout TP 2, once taking copies of the shards (direct path, share=False) and once
 reading the training tensors themselves (shared path, nothing copied: its time is the identity check).
@@ -28,6 +29,7 @@ LAYOUTS = ((2, 1), (1, 2))  # (tp, pp) of the training model, world 2
 BUCKETS_MB = (2, 64)
 VERIFY = ("fingerprint", "off")
 MEMCPY_COPIES = 20
+SAMPLE_SECONDS = 0.15  # a timing sample of A and of C spans about this long (`runs` handoffs, each timed alone)
 MODELS = {"small": {},  # the bench model, ~10 MB fp32
           "medium": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, vocab_size=8192)}
 
@@ -125,10 +127,14 @@ def body(folder: str, reps: int) -> dict:
         groups = reinit_parallel(tp, pp)
         model, spec = model_from_hf(folder, groups)
         engine = NativeEngine(spec, 1)
-        warm = update_engine_weights(engine, model, spec, groups, BUCKETS_MB[-1], share=False)
+        for _ in range(2):  # the second is timed warm
+            warm = update_engine_weights(engine, model, spec, groups, BUCKETS_MB[-1], share=False)
         size = max(warm.total_bytes, 2 * last_level_cache_bytes())
         src, dst = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
         _memcpy_seconds(src, dst)  # both buffers paged in before any timing
+        # one handoff of the small model takes ~20 ms, and one such timing on 2 shared cores varies 2-3x from
+        # run to run: a sample averages enough runs to span SAMPLE_SECONDS
+        runs = max(1, round(SAMPLE_SECONDS / warm.seconds))
         # the trainer's own layout (rollout TP = TP): an engine taking copies and one reading the training tensors
         equal = {path: NativeEngine(spec, tp) for path in ("direct", "shared")} if tp > 1 else {}
         for _ in range(reps):
@@ -136,15 +142,21 @@ def body(folder: str, reps: int) -> dict:
                 for verify in VERIFY:
                     cell = _cell(out, (tp, pp, "resharded", bucket_mb, verify))
                     cell["samples"].append(bl.sample())
-                    # B before each of A and C (same process, same threads): it also evicts the cache, so A and C
-                    # start from the same state, both after a barrier (a rank's lead is not counted in either)
-                    cell["memcpy"] += _memcpy_seconds(src, dst)
-                    dist.barrier()
-                    report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify, share=False)  # A
-                    cell["memcpy"] += _memcpy_seconds(src, dst)
-                    cell["transport"].append(_transport_seconds(model, spec, groups))  # C
-                    cell["handoff"].append(report.seconds)
-                    cell["report"] = report
+                    cell["memcpy"] += _memcpy_seconds(src, dst)  # B, same process, same threads
+                    # A and C, each after one copy of the buffer (it evicts the cache, so both start from the same
+                    # state) and a barrier (a rank's lead is counted in neither); a sample is the mean of `runs`
+                    hand = trans = 0.0
+                    for _ in range(runs):
+                        dst.copy_(src)
+                        dist.barrier()
+                        report = update_engine_weights(engine, model, spec, groups, bucket_mb, verify=verify,
+                                                       share=False)  # A
+                        dst.copy_(src)
+                        trans += _transport_seconds(model, spec, groups)  # C (its barrier inside)
+                        hand += report.seconds
+                    cell["handoff"].append(hand / runs)
+                    cell["transport"].append(trans / runs)
+                    cell["report"], cell["runs"] = report, runs
             for path, equal_engine in equal.items():
                 cell = _cell(out, (tp, pp, path, BUCKETS_MB[-1], VERIFY[0]))
                 cell["samples"].append(bl.sample())
@@ -215,17 +227,22 @@ def report(results: dict, reps: int) -> tuple:
                  if over_wide else f"all {len(memory)} cells within the widened bound")
     shared = [r for r in speed if r[3].endswith("shared")]
     direct = [r for r in speed if r[3].endswith("direct")]
+    runs_text = "; ".join(f"{name} " + ", ".join(f"{'TP' if tp > 1 else 'PP'}=2: {c['runs']}" for (tp, pp, path, b, v), c
+                                                  in res.items() if path == "resharded" and b == 64 and v == VERIFY[0])
+                          for name, res in results.items())
     text = (f"## Reshard: weight handoff vs memcpy\n\n"
             f"Training layout world 2 -> NativeEngine on each rank, fp32, 1 thread per rank, medians of {reps} "
-            f"alternating reps. handoff A: `update_engine_weights` (resharded = megatron tensors into the engine's "
+            f"alternating reps; a sample of A or C is the mean of `runs` back-to-back runs, each after a copy of the "
+            f"memcpy buffer (it evicts the cache) and a barrier, `runs` = round({SAMPLE_SECONDS} s / one handoff) "
+            f"({runs_text}). handoff A: `update_engine_weights` (resharded = megatron tensors into the engine's "
             f"own layout at rollout TP 1; direct = copies of the shards into an engine at the training layout; "
             f"shared = that engine reads the training tensors, nothing copied, the identity check timed); "
-            f"memcpy B: the median of {MEMCPY_COPIES} copies, before each A and each C, of max(bytes handed over, 2 x the "
+            f"memcpy B: the median of {MEMCPY_COPIES} copies per rep of max(bytes handed over, 2 x the "
             f"{last_level_cache_bytes() // 2**20} MiB last-level cache) into a buffer allocated and paged in once, "
             f"the handoff's threads; collectives alone C: the layout's gloo all-gathers (TP) or broadcasts (PP) into "
             f"one reused buffer (`_transport_seconds`), the floor of any handoff over gloo here. Rates are GiB/s per "
             f"rank; `handoff / collectives alone` is the median over reps of C's time / A's (timed moments apart, so "
-            f"a change of load between reps cancels; each after B, which evicts the cache, and a barrier); `load 1-min` is the range over the cell's reps.\n\n"
+            f"a change of load between reps cancels); `load 1-min` is the range over the cell's reps.\n\n"
             + bl.table(["model", "MiB stored", "training", "engine", "bucket MiB", "verify", "handoff",
                         "memcpy GiB/s", "handoff / collectives alone", "handoff / memcpy",
                         "collectives alone / memcpy"] + bl.STAMP_HEADER, speed)

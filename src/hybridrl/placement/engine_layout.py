@@ -180,9 +180,10 @@ def check_digests(names: list, sent: torch.Tensor, theirs: torch.Tensor, spec: G
                     f"({len(bad)} tensors differ in this bucket)")
 
 
-def reduce_digests(digests: torch.Tensor, groups):
-    """Start summing the sources' digests in place over the training replica, TP x PP in one all-reduce
-    (non-holders gave zeros); returns its work handle to wait on, None where there is nothing to sum."""
-    if groups.tp * groups.pp == 1:
-        return None
-    return dist.all_reduce(digests, group=groups.mp_group, async_op=True)
+def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
+    """Sum the sources' digests in place over the training replica, TP x PP in one all-reduce (non-holders gave
+    zeros). Waited for at once: left in flight beside the stream's broadcasts on another group, it hung a
+    2-rank gloo run (the PP stage that sends ran ahead to its check while the other still received)."""
+    if groups.tp * groups.pp > 1:
+        dist.all_reduce(digests, group=groups.mp_group)
+    return digests

@@ -311,17 +311,16 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
 
 
 def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, device):
-    """[len(names), rt] int64: the sources' digest of each tensor's part that rollout-TP rank k stores, this rank's
-    shards digested once, before anything moves (`engine_layout.add_source_digest`), and the work handle of their
-    sum over the replica (one all-reduce, under way while the tensors stream; None where there is nothing to sum).
-    Up front, every stage digests its own shards at the same time: per bucket, a bucket held by one stage would
-    keep the others waiting at its check."""
+    """[len(names), rt] int64: the sources' digest of each tensor's part that rollout-TP rank k stores, summed over
+    the replica (one all-reduce), this rank's shards digested once, before anything moves
+    (`engine_layout.add_source_digest`). Up front, every stage digests its own shards at the same time: per bucket,
+    a bucket held by one stage would keep the others waiting at its check."""
     digests = Fingerprints(device)
     for g in names:
         shard = source_tensor(local, g) if groups.pp_rank == hc.owner_stage(g, spec, groups.pp) else None
         el.add_source_digest(digests, g, shard, spec, groups, rt)
     sent = digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
-    return sent, el.reduce_digests(sent, groups)
+    return el.reduce_digests(sent, groups)
 
 
 def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
@@ -338,7 +337,7 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
     verifying, overlap = verify != "off", device.type in OVERLAP_ON
-    sent, summing = _source_digests(names, local, spec, groups, rt, device) if verifying else (None, None)
+    sent = _source_digests(names, local, spec, groups, rt, device) if verifying else None
     row = {g: i for i, g in enumerate(names)}
     bucket, stored, held = [], Fingerprints(device), 0
     pending = []  # written, not yet read back: on CUDA the engine reads a tensor back while the next one moves
@@ -349,15 +348,10 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         pending.clear()
 
     def flush():
-        nonlocal summing
         read_back()
         if verifying:
             require_reported(bucket, stored)
-            theirs = stored.result(bucket)
-            if summing is not None:
-                summing.wait()
-                summing = None
-            el.check_digests(bucket, sent[[row[g] for g in bucket], rr], theirs, spec, HandoffError)
+            el.check_digests(bucket, sent[[row[g] for g in bucket], rr], stored.result(bucket), spec, HandoffError)
         return 1, max(max_bucket, held)
 
     for g in names:
