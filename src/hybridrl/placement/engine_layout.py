@@ -5,10 +5,10 @@ A megatron tensor's shard at (tp, rank) covers pieces of the merged tensor (`pie
 column-parallel tensors, two for gate/up, column bands for row-parallel ones; vocabulary padding left
 out). The position-weighted fingerprint is linear over pieces placed at their origin
 (`fingerprint.weight_fingerprint`), so each training rank digests its own shard once, split by the
-rollout ranks' pieces, and the sums over the replica (one all-reduce over TP x PP for the whole model,
-started before the first tensor moves) are what each rollout rank must have stored; its engine digests its
-parameter where it holds it. The sender digests all its shards as one `Fingerprints` batch, the engine a
-bucket's tensors as one (a few ops per batch, not per tensor).
+rollout ranks' pieces, before the first tensor moves; the sums over the replica (per bucket, one all-reduce
+over TP, one over PP) are what each rollout rank must have stored; its engine digests its parameter where it
+holds it. The sender digests all its shards as one `Fingerprints` batch, the engine a bucket's tensors as one
+(a few ops per batch, not per tensor).
 Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel or gate/up tensor
 is gathered rank-major into one scratch and reordered by the one copy that writes the engine's
 parameter. Used by `reshard.update_engine_weights` where `sends_engine_layout` (engines that offer
@@ -181,9 +181,11 @@ def check_digests(names: list, sent: torch.Tensor, theirs: torch.Tensor, spec: G
 
 
 def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
-    """Sum the sources' digests in place over the training replica, TP x PP in one all-reduce (non-holders gave
-    zeros). Waited for at once: left in flight beside the stream's broadcasts on another group, it hung a
-    2-rank gloo run (the PP stage that sends ran ahead to its check while the other still received)."""
-    if groups.tp * groups.pp > 1:
-        dist.all_reduce(digests, group=groups.mp_group)
+    """Sum the sources' digests over the training replica (non-holders gave zeros): over TP, then PP, on the groups
+    the stream's own collectives use. One all-reduce over the model-parallel group instead, before a PP stream's
+    broadcasts, hung 2-rank gloo bench runs twice (one rank past it, the other still in it)."""
+    if groups.tp > 1:
+        dist.all_reduce(digests, group=groups.tp_group)
+    if groups.pp > 1:
+        dist.all_reduce(digests, group=groups.pp_group)
     return digests

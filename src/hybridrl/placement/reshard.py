@@ -311,24 +311,23 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
 
 
 def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, device):
-    """[len(names), rt] int64: the sources' digest of each tensor's part that rollout-TP rank k stores, summed over
-    the replica (one all-reduce), this rank's shards digested once, before anything moves
-    (`engine_layout.add_source_digest`). Up front, every stage digests its own shards at the same time: per bucket,
-    a bucket held by one stage would keep the others waiting at its check."""
+    """[len(names), rt] int64: this rank's share of the sources' digest of each tensor's part that rollout-TP rank k
+    stores (`engine_layout.add_source_digest`), its shards digested once, before anything moves. Up front, every
+    stage digests its own shards at the same time; per bucket, a bucket held by one stage would keep the others
+    waiting at its check."""
     digests = Fingerprints(device)
     for g in names:
         shard = source_tensor(local, g) if groups.pp_rank == hc.owner_stage(g, spec, groups.pp) else None
         el.add_source_digest(digests, g, shard, spec, groups, rt)
-    sent = digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
-    return el.reduce_digests(sent, groups)
+    return digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
 
 
 def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     """Each megatron tensor gathered (TP) and broadcast (PP) in the engine's own layout: straight into its
     parameter where that is the merged tensor (rollout TP 1, same vocabulary padding), else into a reused
     scratch the engine takes its slice of (`engine.take_full`). The sources' digests (each training rank's
-    shard, digested once, `_source_digests`) are summed over the replica; per bucket, what the engine reads back
-    from its parameters (`engine.layout_digests`) is compared with them."""
+    shard, digested once, `_source_digests`) of a bucket's tensors are summed over the replica and compared with
+    what the engine reads back from its parameters (`engine.layout_digests`)."""
     rt, rr, dtype = engine.shard_layout()
     local = global_weight_state(model, spec, groups)
     names = list(hc.hf_to_mcore_name_map(spec))
@@ -351,7 +350,8 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         read_back()
         if verifying:
             require_reported(bucket, stored)
-            el.check_digests(bucket, sent[[row[g] for g in bucket], rr], stored.result(bucket), spec, HandoffError)
+            summed = el.reduce_digests(sent[[row[g] for g in bucket]], groups)  # a copy: `sent` stays this rank's
+            el.check_digests(bucket, summed[:, rr], stored.result(bucket), spec, HandoffError)
         return 1, max(max_bucket, held)
 
     for g in names:
