@@ -6,9 +6,10 @@ layout, `reshard._send_layout`). In the same processes, in alternation with the 
 (C) the collectives alone the layout needs (`_transport_seconds`: the floor of any handoff over gloo
 here) and (B) memcpy as the best sustained copy the machine does: the median of MEMCPY_COPIES copies
 `dst.copy_(src)` of max(bytes handed over, 2 x the last-level cache) into a buffer allocated and paged
-in once, with the handoff's threads (one per rank, both ranks at once). A and C each run after one copy of
-that buffer (it evicts the cache, so both start from the same state) and a barrier; a sample of either is the
-mean of enough runs to span SAMPLE_SECONDS (one ~20 ms timing here varies 2-3x). The handoff runs as the
+in once, with the handoff's threads (one per rank, both ranks at once). For the resharded rows, A and C each
+run after one copy of that buffer (it evicts the cache, so both start from the same state) and a barrier; a
+sample of either is the mean of enough runs to span SAMPLE_SECONDS (one ~20 ms timing here varies 2-3x); the
+direct and shared rows time one handoff per rep. The handoff runs as the
 trainer runs it (rollout.verify_weights=fingerprint) and without verification. At TP 2 two more
 rows: an engine at rollout TP 2, once taking copies of the shards (direct path, share=False) and once
 reading the training tensors themselves (shared path, nothing copied: its time is the identity check).
@@ -134,7 +135,9 @@ def body(folder: str, reps: int) -> dict:
         _memcpy_seconds(src, dst)  # both buffers paged in before any timing
         # one handoff of the small model takes ~20 ms, and one such timing on 2 shared cores varies 2-3x from
         # run to run: a sample averages enough runs to span SAMPLE_SECONDS
-        runs = max(1, round(SAMPLE_SECONDS / warm.seconds))
+        slowest = torch.tensor([warm.seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank must run the same number of collectives
+        runs = max(1, round(SAMPLE_SECONDS / slowest.item()))
         # the trainer's own layout (rollout TP = TP): an engine taking copies and one reading the training tensors
         equal = {path: NativeEngine(spec, tp) for path in ("direct", "shared")} if tp > 1 else {}
         for _ in range(reps):
@@ -232,9 +235,10 @@ def report(results: dict, reps: int) -> tuple:
                           for name, res in results.items())
     text = (f"## Reshard: weight handoff vs memcpy\n\n"
             f"Training layout world 2 -> NativeEngine on each rank, fp32, 1 thread per rank, medians of {reps} "
-            f"alternating reps; a sample of A or C is the mean of `runs` back-to-back runs, each after a copy of the "
-            f"memcpy buffer (it evicts the cache) and a barrier, `runs` = round({SAMPLE_SECONDS} s / one handoff) "
-            f"({runs_text}). handoff A: `update_engine_weights` (resharded = megatron tensors into the engine's "
+            f"alternating reps; for the resharded rows a sample of A or C is the mean of `runs` back-to-back "
+            f"runs, each after a copy of the memcpy buffer (it evicts the cache) and a barrier, `runs` = "
+            f"round({SAMPLE_SECONDS} s / the slowest rank's handoff) ({runs_text}); the direct and shared rows time "
+            f"one handoff per rep. handoff A: `update_engine_weights` (resharded = megatron tensors into the engine's "
             f"own layout at rollout TP 1; direct = copies of the shards into an engine at the training layout; "
             f"shared = that engine reads the training tensors, nothing copied, the identity check timed); "
             f"memcpy B: the median of {MEMCPY_COPIES} copies per rep of max(bytes handed over, 2 x the "

@@ -181,9 +181,7 @@ def check_digests(names: list, sent: torch.Tensor, theirs: torch.Tensor, spec: G
 
 
 def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
-    """Sum the sources' digests over the training replica (non-holders gave zeros): over TP, then PP, on the groups
-    the stream's own collectives use. One all-reduce over the model-parallel group instead, before a PP stream's
-    broadcasts, hung 2-rank gloo bench runs twice (one rank past it, the other still in it)."""
+    """Sum the sources' digests over the training replica (non-holders gave zeros): over TP, then PP."""
     if groups.tp > 1:
         dist.all_reduce(digests, group=groups.tp_group)
     if groups.pp > 1:

@@ -85,7 +85,7 @@ class _Staging:
 
 OVERLAP_ON = ("cuda",)
 """Device types where the handoff's read-backs run while the next collective moves (`_overlapped`). On CUDA the
-collective has its own stream and copy engines; over gloo its worker threads need the cores the digests would take:
+collective runs on its own stream; over gloo its worker threads need the cores the digests would take:
 on 2 cores, 2 ranks, overlapping made the small bench model's verified handoff ~4 ms (15%) slower than running
 the two in turn (`benchmarks/bench_reshard.py`)."""
 
