@@ -258,7 +258,7 @@ class MetricsWriter:
         if self.file is not None:  # the lines past `step` go (rewritten whole: temp + rename), the rest stay
             self.file.close()
             with open(self.file_path, encoding="utf-8") as f:
-                kept = [line for line in f if _line_step(line) is not None and _line_step(line) <= step]
+                kept = [line for line in f if (at := _line_step(line)) is not None and at <= step]
             tmp = f"{self.file_path}.tmp-{os.getpid()}"
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(kept)

@@ -84,19 +84,16 @@ class _Staging:
 
 
 OVERLAP_ON = ("cuda",)
-"""Device types where the handoff's read-backs run while the next collective moves (`_overlapped`). On CUDA the
-collective runs on its own stream; over gloo its worker threads need the cores the digests would take:
+"""Device types where `_send_layout` reads a tensor back while the next collective moves (`_overlapped`). On CUDA
+the collective runs on its own stream; over gloo its worker threads need the cores the digests would take:
 on 2 cores, 2 ranks, overlapping made the small bench model's verified handoff ~4 ms (15%) slower than running
 the two in turn (`benchmarks/bench_reshard.py`)."""
 
 
 def _overlapped(collective, *args, while_waiting=None, **kwargs) -> None:
-    """Run a collective, then `while_waiting`; on a device of OVERLAP_ON the collective is started asynchronously
-    and that runs meanwhile."""
-    if while_waiting is None or args[0].device.type not in OVERLAP_ON:
+    """Run a collective; with `while_waiting`, start it asynchronously and call that meanwhile."""
+    if while_waiting is None:
         collective(*args, **kwargs)
-        if while_waiting is not None:
-            while_waiting()
         return
     work = collective(*args, async_op=True, **kwargs)
     while_waiting()
