@@ -565,6 +565,27 @@ def test_fingerprint_catches_every_single_bit_and_each_rearrangement(dtype):
         fingerprint._CACHE_CHUNK_BYTES = saved
 
 
+def test_position_weights_are_the_same_whatever_was_asked_before(monkeypatch):
+    """fingerprint._weights hands out cached slices of a table that regrows: every range asked for, before or
+    after a regrowth or a flush of the slice cache, holds the splitmix weights of its own positions."""
+    from hybridrl.placement import fingerprint
+
+    monkeypatch.setattr(fingerprint, "_POSITION_WEIGHTS", {})
+    monkeypatch.setattr(fingerprint, "_WEIGHT_SLICES", {})
+    monkeypatch.setattr(fingerprint, "_MAX_SLICES", 3)
+
+    def expected(start, n, kind):
+        h = fingerprint._mix(torch.arange(start, start + n, dtype=torch.int64), 1 if kind == "row" else 2)
+        return h | 1 if kind == "row" else h * 2
+
+    asks = [(5, 10, "row"), (5, 20, "row"), (0, 64, "col"), (5, 10, "row"), (60, 9, "row"), (3, 1000, "col"), (5, 10, "row"),
+            (0, 64, "col"), (2000, 5, "row"), (60, 9, "row")]
+    for start, n, kind in asks:
+        got = fingerprint._weights(start, n, torch.device("cpu"), kind)
+        assert torch.equal(got, expected(start, n, kind)), (start, n, kind)
+    assert len(fingerprint._WEIGHT_SLICES) <= 3
+
+
 @pytest.mark.parametrize("fold", [2**14, 8])
 def test_a_batch_of_fingerprints_equals_each_one_alone(monkeypatch, fold):
     """fingerprint.Fingerprints (the word sums per part, the weighting of the parts together) gives each key the

@@ -68,6 +68,8 @@ def _overlap(view: torch.Tensor, origin, other: tuple):
     lo_r, hi_r, lo_c, hi_c = max(r0, other[0]), min(r1, other[1]), max(c0, other[2]), min(c1, other[3])
     if lo_r >= hi_r or lo_c >= hi_c:
         return None
+    if (lo_r, hi_r, lo_c, hi_c) == (r0, r1, c0, c1):  # all of it (every piece at rollout TP 1): no narrowing
+        return view, origin
     if view.dim() > 1:
         view = view.narrow(0, lo_r - r0, hi_r - lo_r)
     return view.narrow(-1, lo_c - c0, hi_c - lo_c), (lo_r, lo_c)
@@ -83,10 +85,11 @@ def add_source_parts(fp: Fingerprints, key, global_name: str, shard: torch.Tenso
                      tp_rank: int, rollout_tp: int) -> None:
     """Add into fp, under (key, k), the part of this shard that rollout-TP rank k stores, for every k."""
     shape = shard_shape(global_name, spec, rollout_tp)
+    held = pieces(global_name, shard, spec, tp, tp_rank)
     for k in range(rollout_tp):
         fp.touch((key, k))
         boxes = _boxes(global_name, shape, spec, rollout_tp, k)
-        for view, origin in pieces(global_name, shard, spec, tp, tp_rank):
+        for view, origin in held:
             for box in boxes:
                 part = _overlap(view, origin, box)
                 if part is not None:

@@ -50,16 +50,28 @@ def _mix(index: torch.Tensor, salt: int) -> torch.Tensor:
     return x ^ (x >> 31)
 
 
+_WEIGHT_SLICES: dict[tuple, torch.Tensor] = {}
+_MAX_SLICES = 4096
+
+
 def _weights(start: int, n: int, device: torch.device, kind: str) -> torch.Tensor:
     """The position weights of positions [start, start + n): odd ones for rows, even ones for columns (cached
-    per device)."""
+    per device, and each range asked for as its slice: a model asks for the same few ranges at every handoff)."""
+    span = (device, kind, start, n)
+    cut = _WEIGHT_SLICES.get(span)
+    if cut is not None:
+        return cut
     key = (device, kind)
     have = _POSITION_WEIGHTS.get(key)
     if have is None or have.numel() < start + n:
         size = 1 << max(start + n - 1, 63).bit_length()  # a power of two >= start + n: few regrowths, little slack
         h = _mix(torch.arange(size, dtype=torch.int64, device=device), 1 if kind == "row" else 2)
         have = _POSITION_WEIGHTS[key] = h | 1 if kind == "row" else h * 2
-    return have[start:start + n]
+        _WEIGHT_SLICES.clear()  # the slices of the old table would keep it alive
+    if len(_WEIGHT_SLICES) >= _MAX_SLICES:
+        _WEIGHT_SLICES.clear()
+    cut = _WEIGHT_SLICES[span] = have[start:start + n]
+    return cut
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
