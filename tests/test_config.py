@@ -82,6 +82,7 @@ def test_wrong_type_names_key_and_type(override, key, expected):
 
 @pytest.mark.parametrize("override,fragment", [
     ("actor.clip_ratio_c=0.9", "actor.clip_ratio_c must be > 1"),
+    ("actor.tau_neg=0", "actor.tau_neg=0.0 (SAPO's gate temperatures) must be > 0"),
     ("rollout.name=sglang", "rollout.name='sglang' is not one of native, vllm"),
     ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator='ppo2'"),
     ("data.truncation=middle", "data.truncation='middle'"),

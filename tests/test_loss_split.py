@@ -18,11 +18,12 @@ from models_helper import padded_rl_rows
 
 B, P, R = 8, 5, 6
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo",
-         "cispo", "gpg", "dro", "geo_mean")
+         "cispo", "gpg", "dro", "geo_mean", "sapo", "dppo_tv", "dppo_kl")
 LOSSES = {"gspo": "seq-mean-token-mean", "cispo": "token-mean", "gpg": "seq-mean-token-sum", "dro": "token-mean",
-          "geo_mean": "token-mean"}
-"""Policy losses other than vanilla, each with an aggregation (GMPO's policy term keeps its own mean over
-responses while its entropy and KL terms take token-mean)."""
+          "geo_mean": "token-mean", "sapo": "seq-mean-token-sum", "dppo_tv": "token-mean", "dppo_kl": "seq-mean-token-mean"}
+"""Policy losses other than vanilla, each with an aggregation (GMPO's and SAPO's policy terms keep their own mean
+over responses while their entropy and KL terms take the aggregation given)."""
+OWN_MEAN = ("geo_mean", "sapo")
 DRO_BETA = 0.5
 
 
@@ -127,6 +128,9 @@ def _expected_losses(ref, mode):
                "cispo": functools.partial(token_losses.cispo_policy_loss, clip_low=0.2, clip_high=0.2),
                "gpg": token_losses.gpg_policy_loss, "dro": functools.partial(token_losses.dro_policy_loss, beta=DRO_BETA),
                "geo_mean": functools.partial(token_losses.geo_mean_policy_loss, clip_low=0.2, clip_high=0.2),
+               "sapo": token_losses.sapo_policy_loss,  # the actor's default temperatures, 1.0 / 1.05
+               "dppo_tv": functools.partial(token_losses.dppo_tv_policy_loss, clip_low=0.2, clip_high=0.2, clip_c=3.0),
+               "dppo_kl": functools.partial(token_losses.dppo_kl_policy_loss, clip_low=0.2, clip_high=0.2, clip_c=3.0),
                "vanilla": functools.partial(algos.policy_loss, clip_low=0.2, clip_high=0.2)}[loss_mode]
     pg, _ = loss_fn(b["old_log_probs"], ref["log_probs"], b["advantages"], mask, agg_mode=mode, loss_scale_factor=R)
     kl = algos.agg_loss(algos.kl_penalty(ref["log_probs"], b["ref_log_probs"], "low_var_kl"), mask, mode, R)
@@ -134,7 +138,7 @@ def _expected_losses(ref, mode):
     # every row of the mini-batch (its global_batch_size)
     rows = float((mask.sum(-1) > 0).sum()) / B
     scale = 1.0 if mode in ("token-mean", "token-sum") else rows
-    return {"actor/pg_loss": pg.item() * (rows if loss_mode == "geo_mean" else scale), "actor/kl_loss": kl.item() * scale,
+    return {"actor/pg_loss": pg.item() * (rows if loss_mode in OWN_MEAN else scale), "actor/kl_loss": kl.item() * scale,
             "actor/entropy_loss": algos.agg_loss(ref["entropy"], mask, mode, R).item() * scale}
 
 

@@ -255,3 +255,30 @@ def test_geo_mean_clip_cov_kl_cov_match_verl(case):
     if case["loss_mode"] == "geo_mean":
         loss = loss * (mask.sum(-1) > 0).sum() / mask.shape[0]
     _same_loss_as_verl(loss, log_prob, stats, case)
+
+
+@pytest.mark.parametrize("case", MORE["trust_region_losses"], ids=lambda c: f"{c['loss_mode']}-{c['agg_mode']}")
+def test_sapo_and_dppo_losses_and_gradients_match_verl(case):
+    """SAPO's soft gate (its own seq-mean-token-mean whatever the aggregation) and DPPO's probability-space trust
+    region (tokens dropped both ways, importance weights truncated at clip_c) against verl 0.9.1's outputs, through
+    the actor's config as verl's is set (clip_ratio_low/high, clip_ratio_c, tau_pos/tau_neg off their defaults)."""
+    from hybridrl.config import ActorConfig, PolicyLossConfig
+    from hybridrl.workers.actor import _surrogate
+
+    cfg = ActorConfig(clip_ratio_low=case["clip_low"], clip_ratio_high=case["clip_high"], clip_ratio_c=case["clip_c"],
+                      tau_pos=case["tau_pos"], tau_neg=case["tau_neg"], loss_agg_mode=case["agg_mode"],
+                      policy_loss=PolicyLossConfig(loss_mode=case["loss_mode"]))
+    fn = _surrogate(cfg)
+    log_prob = f32(case["log_prob"]).requires_grad_(True)
+    loss, stats = fn(f32(case["old_log_prob"]), log_prob, f32(case["advantages"]), f32(case["mask"]),
+                     agg_mode=case["agg_mode"])
+    _same_loss_as_verl(loss, log_prob, stats, case)
+    if case["loss_mode"] != "sapo":  # each case drops some tokens and keeps others
+        assert 0 < case["metrics"]["actor/pg_clipfrac"] < 1
+
+
+def test_the_dppo_references_truncate_importance_weights():
+    """Both DPPO losses' reference cases include kept tokens whose importance weight passed clip_c."""
+    for mode in ("dppo_tv", "dppo_kl"):
+        assert any(c["metrics"]["actor/pg_clipfrac_lower"] > 0 for c in MORE["trust_region_losses"]
+                   if c["loss_mode"] == mode), mode

@@ -5,7 +5,8 @@ Run in the side venv that has verl (`make verl-reference`). Inputs are drawn her
 beside verl's outputs. Covered: core_algos.agg_loss "token-sum"; the cispo, gpg and dro policy losses (loss,
 metrics and the gradient with respect to log_prob, every aggregation); the grpo_passk (with and without std
 normalisation, tied best scores included), opo and gpg advantage estimators; kl_penalty's straight-through
-"+" kinds (value and gradient); the geo_mean, clip_cov and kl_cov policy losses.
+"+" kinds (value and gradient); the geo_mean, clip_cov and kl_cov policy losses; the sapo, dppo_tv and dppo_kl
+policy losses (every aggregation; tau_pos / tau_neg and the DPPO bounds away from verl's defaults).
 """
 from __future__ import annotations
 
@@ -36,25 +37,40 @@ def token_sum_cases():
     return cases
 
 
+def _loss_inputs(g, old_mean: float, move: float, adv_scale: float = 1.0, top: float | None = None) -> tuple:
+    """(mask, old log-probs, new log-probs with a gradient, advantages) of a 6 x 10 case: old ~ N(old_mean, 0.5),
+    new = old + N(0, move), one advantage per row; `top` caps both log-probs (probabilities below 1)."""
+    b, t = 6, 10
+    mask = _masks(g, b, t)
+    old = old_mean + 0.5 * torch.randn(b, t, generator=g)
+    old = old if top is None else old.clamp(max=top)
+    new = old + move * torch.randn(b, t, generator=g)
+    new = (new if top is None else new.clamp(max=top)).requires_grad_(True)
+    adv = (adv_scale * torch.randn(b, 1, generator=g) * torch.ones(1, t)) * mask
+    return mask, old, new, adv
+
+
+def _loss_case(loss_mode: str, mode: str, cfg, old, new, adv, mask, **params) -> dict:
+    """verl's loss of one case, its gradient with respect to `new` and its metrics, beside the inputs."""
+    loss, metrics = core_algos.get_policy_loss_fn(loss_mode)(old, new, adv, mask, loss_agg_mode=mode, config=cfg)
+    (grad,) = torch.autograd.grad(loss, new)
+    return {"loss_mode": loss_mode, "agg_mode": mode, **params,
+            "old_log_prob": _lists(old), "log_prob": _lists(new.detach()), "advantages": _lists(adv),
+            "mask": _lists(mask), "loss": float(loss.detach()), "grad": _lists(grad),
+            "metrics": {k: float(v) for k, v in metrics.items()}}
+
+
 def policy_loss_cases():
     g = torch.Generator().manual_seed(32)
     cases = []
     for loss_mode in ("cispo", "gpg", "dro"):
         for mode in MODES:
-            b, t = 6, 10
-            mask = _masks(g, b, t)
-            old = -2.0 + 0.5 * torch.randn(b, t, generator=g)
-            new = (old + 0.3 * torch.randn(b, t, generator=g)).requires_grad_(True)  # ratios past both clip edges
-            adv = (torch.randn(b, 1, generator=g) * torch.ones(1, t)) * mask
+            mask, old, new, adv = _loss_inputs(g, -2.0, 0.3)  # ratios past both clip edges
             cfg = ActorConfig(strategy="megatron", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                               loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
                               policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.5))
-            loss, metrics = core_algos.get_policy_loss_fn(loss_mode)(old, new, adv, mask, loss_agg_mode=mode, config=cfg)
-            (grad,) = torch.autograd.grad(loss, new)
-            cases.append({"loss_mode": loss_mode, "agg_mode": mode, "clip_low": 0.2, "clip_high": 0.28, "dro_beta": 0.5,
-                          "old_log_prob": _lists(old), "log_prob": _lists(new.detach()), "advantages": _lists(adv),
-                          "mask": _lists(mask), "loss": float(loss.detach()), "grad": _lists(grad),
-                          "metrics": {k: float(v) for k, v in metrics.items()}})
+            cases.append(_loss_case(loss_mode, mode, cfg, old, new, adv, mask, clip_low=0.2, clip_high=0.28,
+                                    dro_beta=0.5))
     return cases
 
 
@@ -65,24 +81,33 @@ def covariance_loss_cases():
     cases = []
     for loss_mode in ("geo_mean", "clip_cov", "kl_cov"):
         for mode in ("token-mean", "seq-mean-token-sum"):
-            b, t = 6, 10
-            mask = _masks(g, b, t)
-            old = -2.0 + 0.5 * torch.randn(b, t, generator=g)
-            new = (old + 0.3 * torch.randn(b, t, generator=g)).requires_grad_(True)
-            adv = (3 * torch.randn(b, 1, generator=g) * torch.ones(1, t)) * mask
+            mask, old, new, adv = _loss_inputs(g, -2.0, 0.3, adv_scale=3.0)
             cfg = ActorConfig(strategy="megatron", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                               loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
                               policy_loss=PolicyLossConfig(loss_mode=loss_mode, clip_cov_ratio=0.2, clip_cov_lb=0.5,
                                                            clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.3))
             seed = len(cases)
             torch.manual_seed(seed)
-            loss, metrics = core_algos.get_policy_loss_fn(loss_mode)(old, new, adv, mask, loss_agg_mode=mode, config=cfg)
-            (grad,) = torch.autograd.grad(loss, new)
-            cases.append({"loss_mode": loss_mode, "agg_mode": mode, "seed": seed, "clip_low": 0.2, "clip_high": 0.28,
-                          "cov_ratio": 0.2, "cov_lb": 0.5, "cov_ub": 5.0, "kl_coef": 0.3,
-                          "old_log_prob": _lists(old), "log_prob": _lists(new.detach()), "advantages": _lists(adv),
-                          "mask": _lists(mask), "loss": float(loss.detach()), "grad": _lists(grad),
-                          "metrics": {k: float(v) for k, v in metrics.items()}})
+            cases.append(_loss_case(loss_mode, mode, cfg, old, new, adv, mask, seed=seed, clip_low=0.2, clip_high=0.28,
+                                    cov_ratio=0.2, cov_lb=0.5, cov_ub=5.0, kl_coef=0.3))
+    return cases
+
+
+def trust_region_loss_cases():
+    """sapo, dppo_tv and dppo_kl: probabilities near 0.5 and moves of either sign large enough that the DPPO bounds
+    drop tokens in both directions and some importance weights pass clip_ratio_c (2.0 here)."""
+    g = torch.Generator().manual_seed(36)
+    cases = []
+    for loss_mode in ("sapo", "dppo_tv", "dppo_kl"):
+        for mode in MODES:
+            mask, old, new, adv = _loss_inputs(g, -0.7, 0.8, top=-0.01)
+            low, high = (0.05, 0.08) if loss_mode == "dppo_kl" else (0.1, 0.15)
+            cfg = ActorConfig(strategy="megatron", clip_ratio=0.2, clip_ratio_low=low, clip_ratio_high=high,
+                              clip_ratio_c=2.0, tau_pos=1.5, tau_neg=3.0, loss_agg_mode=mode,
+                              ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
+                              policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+            cases.append(_loss_case(loss_mode, mode, cfg, old, new, adv, mask, clip_low=low, clip_high=high, clip_c=2.0,
+                                    tau_pos=1.5, tau_neg=3.0))
     return cases
 
 
@@ -126,6 +151,7 @@ def straight_through_kl_cases():
 def main():
     ref = {"verl_version": verl.__version__, "torch_version": torch.__version__, "token_sum": token_sum_cases(),
            "policy_loss": policy_loss_cases(), "covariance_losses": covariance_loss_cases(),
+           "trust_region_losses": trust_region_loss_cases(),
            "estimators": estimator_cases(),
            "straight_through_kl": straight_through_kl_cases()}
     write_reference(OUT, ref)

@@ -55,7 +55,8 @@ class OffloadConfig:
 
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dro", "geo_mean", "clip_cov", "kl_cov")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dro", "geo_mean", "clip_cov", "kl_cov", "sapo", "dppo_tv",
+                     "dppo_kl")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,10 @@ class PolicyLossConfig:
     4e-4 and loss_agg_mode seq-mean-token-mean, as verl's GSPO recipe), cispo (clipped importance weights held
     constant, MiniMax-M1), gpg (the plain policy gradient; with adv_estimator gpg), dro (a policy gradient
     with a quadratic log-ratio penalty, dro_beta), geo_mean (GMPO: one ratio per response, the geometric mean
-    of its clipped token ratios), clip_cov or kl_cov (the Entropy Mechanism paper's)."""
+    of its clipped token ratios), clip_cov or kl_cov (the Entropy Mechanism paper's), sapo (a soft gate on the
+    ratio instead of a clip, actor.tau_pos / tau_neg), dppo_tv or dppo_kl (DPPO: the trust region on the sampled
+    token's probability, total variation or binary KL, with clip_ratio_low / high as its bounds and the importance
+    weight truncated at clip_ratio_c)."""
     dro_beta: Optional[float] = None
     """DRO's penalty weight (> 0; required with loss_mode dro, as verl)."""
     clip_cov_ratio: float = 0.0002
@@ -103,7 +107,11 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = 0.2
     """PPO clip above 1 (clip-higher when larger than clip_ratio_low); null: clip_ratio."""
     clip_ratio_c: float = 3.0
-    """Dual-clip constant for negative advantages (> 1)."""
+    """Dual-clip constant for negative advantages (> 1); DPPO's truncation of the importance weight."""
+    tau_pos: float = 1.0
+    """SAPO: the gate's temperature on tokens with a positive advantage (> 0; verl's actor.tau_pos)."""
+    tau_neg: float = 1.05
+    """SAPO: the same for advantages <= 0 (verl's default is above tau_pos: negative updates fade faster)."""
     loss_agg_mode: str = "token-mean"
     """How token losses become one number."""
     loss_scale_factor: Optional[int] = None
@@ -144,6 +152,8 @@ class ActorConfig:
         check(self.ppo_max_token_len_per_gpu > 0 and self.log_prob_max_token_len_per_gpu > 0,
                "actor.ppo_max_token_len_per_gpu and actor.log_prob_max_token_len_per_gpu must be > 0")
         check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c must be > 1")
+        check(self.tau_pos > 0 and self.tau_neg > 0, f"actor.tau_pos={self.tau_pos} and actor.tau_neg={self.tau_neg} "
+                                                     "(SAPO's gate temperatures) must be > 0")
         check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
         one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         one_of("actor.kl_loss_type", self.kl_loss_type, KL_KINDS)

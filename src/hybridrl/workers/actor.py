@@ -110,6 +110,11 @@ def _surrogate(cfg: ActorConfig):
         return functools.partial(token_losses.dro_policy_loss, beta=cfg.policy_loss.dro_beta)
     if mode == "geo_mean":
         return functools.partial(token_losses.geo_mean_policy_loss, **clip)
+    if mode == "sapo":
+        return functools.partial(token_losses.sapo_policy_loss, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
+    if mode in ("dppo_tv", "dppo_kl"):
+        loss = token_losses.dppo_tv_policy_loss if mode == "dppo_tv" else token_losses.dppo_kl_policy_loss
+        return functools.partial(loss, clip_c=cfg.clip_ratio_c, **clip)
     pl = cfg.policy_loss
     if mode == "clip_cov":
         return functools.partial(covariance_losses.clip_cov_policy_loss, cov_ratio=pl.clip_cov_ratio,
@@ -120,8 +125,10 @@ def _surrogate(cfg: ActorConfig):
 
 
 def _policy_agg(cfg: ActorConfig) -> str:
-    """How the policy term's share of the mini-batch is counted: the loss's own aggregation (GMPO's is fixed)."""
-    return token_losses.GEO_MEAN_AGG if cfg.policy_loss.loss_mode == "geo_mean" else cfg.loss_agg_mode
+    """How the policy term's share of the mini-batch is counted: the loss's own aggregation (GMPO's and SAPO's are
+    fixed)."""
+    fixed = {"geo_mean": token_losses.GEO_MEAN_AGG, "sapo": token_losses.SAPO_AGG}
+    return fixed.get(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
 
 
 class ActorWorker(LogProbWorker):
