@@ -83,6 +83,8 @@ def test_wrong_type_names_key_and_type(override, key, expected):
 @pytest.mark.parametrize("override,fragment", [
     ("actor.clip_ratio_c=0.9", "actor.clip_ratio_c must be > 1"),
     ("actor.tau_neg=0", "actor.tau_neg=0.0 (SAPO's gate temperatures) must be > 0"),
+    ("algorithm.adv_estimator=optimal_token_baseline algorithm.rollout_correction.bypass_mode=true",
+     "bypass_mode=true skips: set bypass_mode=false"),
     ("rollout.name=sglang", "rollout.name='sglang' is not one of native, vllm"),
     ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator='ppo2'"),
     ("data.truncation=middle", "data.truncation='middle'"),
@@ -103,7 +105,7 @@ def test_wrong_type_names_key_and_type(override, key, expected):
     ("algorithm.rollout_correction.loss_type=ppo", "loss_type='ppo' is not one of ppo_clip, reinforce"),
 ])
 def test_section_rules(override, fragment):
-    assert fragment in _error([override])
+    assert fragment in _error(override.split())
 
 
 @pytest.mark.parametrize("old,new", [("rollout.val_n", "rollout.val_kwargs.n"),

@@ -7,7 +7,7 @@ from dist_helper import run_distributed
 
 from hybridrl.models import logprobs
 from hybridrl.models.logprobs import (shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs,
-                                         vocab_parallel_token_stats)
+                                         vocab_parallel_sum_pi_squared, vocab_parallel_token_stats)
 
 B, S, V, V_PAD, T = 2, 5, 251, 256, 0.7
 
@@ -153,3 +153,30 @@ def test_a_rank_holding_only_vocab_padding_adds_nothing():
         torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(outs[0][2][..., :100].double(), x.grad, atol=1e-5, rtol=0)
     assert torch.all(outs[0][2][..., 100:] == 0) and torch.all(outs[1][2] == 0)
+
+
+def _sum_pi_squared_reference(logits, vocab, temperature):
+    return torch.softmax(logits[..., :vocab].double() / temperature, dim=-1).square().sum(-1)
+
+
+def _tp2_sum_pi_squared(vocab, temperature, chunk):
+    import torch.distributed as dist
+
+    logprobs.CHUNK_ELEMENTS = chunk
+    logits, _, _, _ = _data()
+    return vocab_parallel_sum_pi_squared(logits.chunk(2, dim=-1)[dist.get_rank()], dist.group.WORLD, vocab, temperature)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("vocab,chunk", [(V, 1 << 23), (V, V_PAD // 2), (100, 1 << 23)])
+def test_sum_pi_squared_matches_the_full_softmax_on_one_rank_and_across_tp(vocab, chunk, monkeypatch):
+    """sum_v p_v^2 of softmax(logits / T) over the true vocabulary (the padding columns hold large logits that must
+    not count; with vocab 100 the second TP rank holds padding only), in chunks of rows or of one position."""
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
+    logits, _, _, _ = _data()
+    want = _sum_pi_squared_reference(logits, vocab, T)
+    torch.testing.assert_close(vocab_parallel_sum_pi_squared(logits, None, vocab, T).double(), want, atol=1e-6, rtol=1e-5)
+    for got in run_distributed(_tp2_sum_pi_squared, 2, vocab, T, chunk):
+        assert got.dtype == torch.float32 and got.shape == (B, S)
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(want, _sum_pi_squared_reference(logits, vocab, 1.0))  # the temperature is applied

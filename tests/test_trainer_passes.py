@@ -127,3 +127,64 @@ def test_bypass_mode_takes_no_pass_whatever_it_corrects(tmp_path):
     cfg = load_config(TINY, _overrides(tmp_path, ["algorithm.rollout_correction.bypass_mode=true",
                                                   "algorithm.rollout_correction.rollout_is=token"]))
     assert old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64)) == "rollout"
+
+
+def _token_baseline_step(tmp):
+    """One optimal-token-baseline step; what the estimator was given and gave, the batch before it, the metrics."""
+    from hybridrl import algos
+    from hybridrl.config.io import load_config
+    from hybridrl.rewards import RewardManager
+    from hybridrl.trainer.loop import setup_run
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.roles import build_roles
+
+    cfg = load_config(TINY, _overrides(tmp, ["algorithm.adv_estimator=optimal_token_baseline", "data.train_batch_size=2",
+                                             "rollout.n=4", "actor.ppo_mini_batch_size=2"]))
+    _, tok, layout, groups, loader, _ = setup_run(cfg)
+    seen, estimate = {}, algos.compute_advantages
+
+    def spy(name, **kwargs):
+        seen["kwargs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        seen["advantages"], _ = out = estimate(name, **kwargs)
+        return out
+
+    algos.compute_advantages = spy
+    try:
+        trainer = PPOTrainer(cfg, layout, groups, tok, build_roles(cfg, groups, tok, 4), RewardManager(cfg.reward), None)
+        trainer.sync_rollout_weights()
+        original = trainer.compute_advantages
+        trainer.compute_advantages = lambda batch, scores: (seen.update(batch={k: v.clone() for k, v in batch.items()
+                                                                               if torch.is_tensor(v)}),
+                                                             original(batch, scores))[1]
+        metrics = trainer.train_step(next(iter(loader)), 1)
+    finally:
+        algos.compute_advantages = estimate
+    folder = os.path.join(cfg.trainer.checkpoint_dir, "init_hf")  # the random init the actor was built from
+    return dict(seen, metrics=metrics, source=trainer.old_log_prob_source, folder=folder,
+                temperature=cfg.rollout.temperature, vocab=trainer.actor.vocab_size)
+
+
+def test_optimal_token_baseline_reads_the_old_policys_statistics_from_its_own_pass(tmp_path):
+    """The estimator gets the old policy's log-probs and sum pi^2 of every response token, equal to those of the
+    same weights in transformers (softmax over the true vocabulary at the rollout temperature), from an
+    old-log-prob pass of its own; its advantages are the optimal token baseline's of those inputs."""
+    from models_helper import hf_logits
+
+    from hybridrl import algos
+
+    run = run_distributed(_token_baseline_step, 1, str(tmp_path))[0]
+    assert run["source"] == "pass" and "timing_s/old_log_prob" in run["metrics"]
+    batch, given = run["batch"], run["kwargs"]
+    R, mask = batch["responses"].shape[1], batch["response_mask"]
+    logits = hf_logits(run["folder"], batch)[:, -R - 1:-1, :run["vocab"]].double() / run["temperature"]
+    probs = torch.softmax(logits, dim=-1)
+    want_lp = torch.log(probs.gather(-1, batch["responses"][..., None]).squeeze(-1))
+    want_sq = probs.square().sum(-1)
+    for name, want in (("old_log_probs", want_lp), ("sum_pi_squared", want_sq)):
+        torch.testing.assert_close(given[name] * mask, (want * mask).float(), atol=2e-5, rtol=1e-4, msg=name)
+    assert given["group_index"] == [i // 4 for i in range(8)]
+    want_adv, _ = algos.compute_optimal_token_baseline_advantages(
+        given["token_rewards"], given["response_mask"], given["group_index"], want_lp.float(), want_sq.float())
+    torch.testing.assert_close(run["advantages"], want_adv, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(run["advantages"], algos.compute_advantages(
+        "grpo", scores=given["scores"], response_mask=given["response_mask"], group_index=given["group_index"])[0])

@@ -6,7 +6,9 @@ beside verl's outputs. Covered: core_algos.agg_loss "token-sum"; the cispo, gpg 
 metrics and the gradient with respect to log_prob, every aggregation); the grpo_passk (with and without std
 normalisation, tied best scores included), opo and gpg advantage estimators; kl_penalty's straight-through
 "+" kinds (value and gradient); the geo_mean, clip_cov and kl_cov policy losses; the sapo, dppo_tv and dppo_kl
-policy losses (every aggregation; tau_pos / tau_neg and the DPPO bounds away from verl's defaults).
+policy losses (every aggregation; tau_pos / tau_neg and the DPPO bounds away from verl's defaults); the
+optimal_token_baseline estimator (with and without rollout IS weights, a group whose one longest response has a zero
+tail, a tie for the longest, a singleton).
 """
 from __future__ import annotations
 
@@ -133,6 +135,28 @@ def estimator_cases():
     return cases
 
 
+def token_baseline_cases():
+    g = torch.Generator().manual_seed(37)
+    b, t = 14, 8
+    lengths = torch.tensor([8, 5, 3, 6, 4, 4, 2, 4, 7, 7, 1, 3, 0, 5])  # groups [0:4] (8 longest alone), [4:8],
+    mask = (torch.arange(t)[None] < lengths[:, None]).float()                # [8:12] (7 tied), [12:13], [13:14]
+    index = np.array([0] * 4 + [1] * 4 + [2] * 4 + [3, 4])
+    rewards = torch.randn(b, t, generator=g) * mask * (torch.rand(b, t, generator=g) < 0.4)  # sparse dense rewards
+    old = (-1.5 + 0.7 * torch.randn(b, t, generator=g)).clamp(max=-0.01)
+    sum_pi_squared = torch.rand(b, t, generator=g) * 0.6 + 0.05
+    is_weights = torch.exp(0.3 * torch.randn(b, t, generator=g))
+    cases = []
+    for weights in (None, is_weights):
+        adv, ret = core_algos.get_adv_estimator_fn("optimal_token_baseline")(
+            token_level_rewards=rewards.clone(), response_mask=mask, index=index, old_log_probs=old,
+            sum_pi_squared=sum_pi_squared, rollout_is_weights=weights)
+        cases.append({"token_level_rewards": _lists(rewards), "mask": _lists(mask), "index": index.tolist(),
+                      "old_log_probs": _lists(old), "sum_pi_squared": _lists(sum_pi_squared),
+                      "rollout_is_weights": None if weights is None else _lists(weights),
+                      "advantages": _lists(adv), "returns": _lists(ret)})
+    return cases
+
+
 def straight_through_kl_cases():
     g = torch.Generator().manual_seed(34)
     logprob = -3.0 + torch.randn(3, 8, generator=g)
@@ -152,7 +176,7 @@ def main():
     ref = {"verl_version": verl.__version__, "torch_version": torch.__version__, "token_sum": token_sum_cases(),
            "policy_loss": policy_loss_cases(), "covariance_losses": covariance_loss_cases(),
            "trust_region_losses": trust_region_loss_cases(),
-           "estimators": estimator_cases(),
+           "estimators": estimator_cases(), "optimal_token_baseline": token_baseline_cases(),
            "straight_through_kl": straight_through_kl_cases()}
     write_reference(OUT, ref)
 

@@ -1,9 +1,9 @@
-"""Outcome advantages measured within each prompt's group of responses: the group statistics GRPO, RLOO and
-REINFORCE++-baseline share, and verl 0.9.1's pass@k GRPO, OPO and GPG estimators.
+"""Advantages measured within each prompt's group of responses: the group statistics GRPO, RLOO and
+REINFORCE++-baseline share, verl 0.9.1's pass@k GRPO, OPO and GPG estimators, and its optimal token baseline.
 
-Every estimator takes per-response scores [B], the response mask [B, T] and a group id per response, and
-returns (advantages, returns) [B, T], the advantage on every loss token. Pure tensor math, as the rest of
-`hybridrl.algos`.
+The outcome estimators take per-response scores [B], the response mask [B, T] and a group id per response; the
+optimal token baseline takes token rewards and the old policy's per-token statistics. Each returns (advantages,
+returns) [B, T], the advantage on every loss token. Pure tensor math, as the rest of `hybridrl.algos`.
 """
 from typing import Dict, Hashable, Sequence, Tuple, Union
 
@@ -91,3 +91,34 @@ def compute_gpg_advantages(scores: Tensor, response_mask: Tensor, group_index: G
     mean, _, _ = _group_mean_std(scores, group_index)
     adv = (alpha * (scores - mean) / f_norm)[:, None] * _mask_like(response_mask, scores)
     return adv, adv
+
+
+def compute_optimal_token_baseline_advantages(token_rewards: Tensor, response_mask: Tensor, group_index: GroupIndex,
+                                              old_log_probs: Tensor, sum_pi_squared: Tensor,
+                                              rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
+                                              eps: float = 1e-8) -> Tuple[Tensor, Tensor]:
+    """Optimal token baseline (verl 0.9.1's optimal_token_baseline): a baseline per group and time step,
+    B_t = sum_i G_it W_it / sum_i W_it over the group's responses, G the reward-to-go and W_t = sum_{j <= t}
+    (1 - 2 pi_j + sum_v pi_v^2) the cumulative path-variance proxy of the old policy (pi_j its probability of the
+    sampled token, each term times the squared rollout IS weight where given). A single response has baseline 0;
+    with `handle_zero_tail` the one longest response of a group gets 0 where it runs past the second longest.
+    Returns (G - B on the loss tokens, G)."""
+    m = _mask_like(response_mask, token_rewards)
+    returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
+    w = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.square()
+    w_cum = (w * m).cumsum(-1)
+    baselines = torch.zeros_like(returns)
+    for rows in _members(group_index, returns.shape[0], returns.device):
+        if rows.numel() < 2:
+            continue
+        g_mask, g_w = m[rows], w_cum[rows]
+        baselines[rows] = ((returns[rows] * g_w * g_mask).sum(0) / ((g_w * g_mask).sum(0) + eps)).expand(len(rows), -1)
+        if handle_zero_tail:
+            lengths = g_mask.sum(-1)
+            second, longest = (int(x) for x in torch.sort(lengths).values[-2:])
+            alone = (lengths == longest).nonzero().reshape(-1)
+            if alone.numel() == 1 and longest > second:
+                baselines[rows[alone[0]], second:] = 0.0
+    return (returns - baselines) * m, returns

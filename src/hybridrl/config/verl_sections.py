@@ -37,6 +37,8 @@ NOT_READ = {
     "trainer.esi_redundant_time": "preemption is read from signals and trainer.max_runtime",
     "trainer.del_local_ckpt_after_load": "checkpoints stay where they are",
     "trainer.balance_batch": "rows stay on the DP rank that generated them (no length balancing across ranks)",
+    "actor.calculate_sum_pi_squared": "sum pi^2 is computed whenever algorithm.adv_estimator reads it "
+                                      "(optimal_token_baseline)",
     "data.return_raw_chat": "each row's raw messages are always kept",
     "data.return_raw_input_ids": "each row's raw messages are always kept",
     "data.return_full_prompt": "each row's raw messages are always kept",

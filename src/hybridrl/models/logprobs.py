@@ -8,7 +8,8 @@ fp32), with a sampling temperature. It works through the vocabulary in chunks of
 `CHUNK_ELEMENTS` logits and keeps only per-token statistics (log-sum-exp, entropy) for backward,
 which recomputes the softmax chunk by chunk: no [B, R, V] fp32 tensor is ever whole, only the
 gradient (in the logits' dtype) is (`planner.memory.head_activation_bytes` counts this).
-Works without a group too (tp_group=None: a single rank holding the whole vocab).
+Works without a group too (tp_group=None: a single rank holding the whole vocab). `vocab_parallel_sum_pi_squared`
+gives sum_v p_v^2 per position the same way (the optimal-token-baseline estimator's path-variance proxy), no gradient.
 """
 from __future__ import annotations
 
@@ -175,6 +176,32 @@ def vocab_parallel_token_stats(logits: torch.Tensor, labels: torch.Tensor | None
         return None if lp is None else lp[0], None if ent is None else ent[0]
     lp, ent = _TokenStats.apply(logits, labels, tp_group, true_vocab_size, temperature, with_entropy)
     return lp if labels is not None else None, ent if with_entropy else None
+
+
+@torch.no_grad()
+def vocab_parallel_sum_pi_squared(logits: torch.Tensor, tp_group=None, true_vocab_size: int | None = None,
+                                  temperature: float = 1.0) -> torch.Tensor:
+    """sum over the true vocabulary of softmax(logits / T)^2, fp32, shape logits.shape[:-1]; logits [..., V_local]
+    sharded over TP. Per position only three scalars cross the group: each rank's max, then its sums of exp(z) and
+    exp(2 z) rescaled to the global max. No gradient (an estimator's input, as verl's)."""
+    valid, _ = _valid_columns(logits, tp_group, true_vocab_size)
+    x = _rows(logits)
+    n, length, v = x.shape
+    stats = torch.zeros(3, n, length, dtype=torch.float32, device=logits.device)
+    m, s, q = stats  # local max, sum exp(z), sum exp(2 z) (z = y - m)
+    for rows, pos in _chunks(n, length, v):
+        y = _scaled(x[rows, pos], valid, temperature)
+        mc = y.amax(dim=-1, keepdim=True)
+        mc.masked_fill_(mc == float("-inf"), 0.0)  # a rank whose columns are all padding
+        e = torch.exp(y.sub_(mc))  # 0 at padding
+        m[rows, pos], s[rows, pos], q[rows, pos] = mc.squeeze(-1), e.sum(dim=-1), e.square_().sum(dim=-1)
+        del y, e
+    if _world(tp_group) > 1:
+        scale = torch.exp(m - _all_reduce(m.clone(), tp_group, dist.ReduceOp.MAX))  # <= 1
+        s.mul_(scale)
+        q.mul_(scale.square_())
+        _all_reduce(stats[1:], tp_group)
+    return (q / s.square()).view(logits.shape[:-1])
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,

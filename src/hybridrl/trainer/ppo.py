@@ -35,6 +35,7 @@ from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, gather_objects_dp, is_rollout_source,
                                          local_slice, pad_columns, route_columns)
+from hybridrl.trainer.old_policy import estimator_token_inputs, old_policy_pass
 from hybridrl.trainer.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
@@ -171,8 +172,7 @@ class PPOTrainer:
         elif source == "pass" and "old_log_probs" not in batch:
             with t("old_log_prob"):
                 self.hybrid.enter("old_log_prob")
-                batch["old_log_probs"], batch["old_entropy"] = self.actor.compute_log_prob(
-                    batch, self.batching.actor_log_prob, with_entropy=True)
+                old_policy_pass(self.actor, batch, self.batching.actor_log_prob, self.cfg.algorithm.adv_estimator)
         if self.ref is not None and "ref_log_probs" not in batch:
             with t("ref"):
                 self.hybrid.enter("ref")
@@ -367,7 +367,7 @@ class PPOTrainer:
         adv, returns = algos.compute_advantages(
             a.adv_estimator, token_rewards=token_rewards, scores=outcome, values=values, response_mask=mask,
             group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo,
-            baseline_scores=baselines)
+            baseline_scores=baselines, **estimator_token_inputs(a.adv_estimator, batch, g))
         if baselines is not None:  # ReMax: the greedy responses' mean score, what the samples are measured against
             metrics["critic/remax_baseline/mean"] = baselines.mean().item()
         return {**metrics, **self._advantage_metrics(batch, all_scores, token_rewards, adv, returns, mask, values)}

@@ -15,7 +15,7 @@ import torch
 from hybridrl import algos
 from hybridrl.algos import covariance_losses, token_losses
 from hybridrl.config import ActorConfig, Config, RolloutCorrectionConfig
-from hybridrl.models.logprobs import vocab_parallel_token_stats
+from hybridrl.models.logprobs import vocab_parallel_sum_pi_squared, vocab_parallel_token_stats
 from hybridrl.workers.engine import ModelEngine, mini_batches
 from hybridrl.config.batching import MicroBatching
 from hybridrl.workers.micro_batches import run_per_row
@@ -37,9 +37,9 @@ class LogProbWorker:
         self.offloader = None
         """Set for a reference whose weights live on the host between uses (ref.offload_params)."""
 
-    def token_fn(self, with_entropy: bool, entropy_grad: bool = False):
-        """Per-token log-probs of the next token (and entropy) from TP-sharded logits, in whatever sequence
-        layout the model runs (padded, packed, context parallel: `ModelEngine.run`); the entropy keeps no
+    def token_fn(self, with_entropy: bool, entropy_grad: bool = False, with_sum_pi_squared: bool = False):
+        """Per-token log-probs of the next token (and entropy, sum pi^2) from TP-sharded logits, in whatever
+        sequence layout the model runs (padded, packed, context parallel: `ModelEngine.run`); the entropy keeps no
         autograd state unless entropy_grad (a loss term needs it)."""
         tp_group, t = self.engine.groups.tp_group, self.temperature if self.temperature > 0 else 1.0
 
@@ -49,6 +49,8 @@ class LogProbWorker:
             out = {"log_probs": log_probs}
             if entropy is not None:
                 out["entropy"] = entropy if entropy_grad else entropy.detach()  # a metric only: no backward
+            if with_sum_pi_squared:
+                out["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits, tp_group, self.vocab_size, t)
             return out
 
         return stats
@@ -63,19 +65,28 @@ class LogProbWorker:
     @torch.no_grad()
     def compute_log_prob(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, with_entropy: bool = False):
         """[B, R] log-probs (and entropy) of batch["responses"]; no gradients."""
+        out = self.compute_token_stats(batch, batching, with_entropy)
+        return out["log_probs"], out.get("entropy")
+
+    @torch.no_grad()
+    def compute_token_stats(self, batch: Dict[str, torch.Tensor], batching: MicroBatching, with_entropy: bool = False,
+                            with_sum_pi_squared: bool = False) -> Dict[str, torch.Tensor]:
+        """{"log_probs", and "entropy" / "sum_pi_squared" where asked}: [B, R] per response token; no gradients."""
         self.engine.train(False)
+        R = batch["responses"].shape[1]
 
         def loss_fn(tokens, mb):
             lp, ent = self._token_stats(tokens, mb)
             out = {"log_probs": lp.detach()}
             if ent is not None:
                 out["entropy"] = ent.detach()
+            if "sum_pi_squared" in tokens:
+                out["sum_pi_squared"] = response_positions(tokens["sum_pi_squared"], R)
             return lp.new_zeros(()), out
 
         keys = ("input_ids", "attention_mask", "responses", "response_mask", "routed_experts")
-        out = run_per_row(self.engine, {k: batch[k] for k in keys if k in batch}, batching, loss_fn,
-                          self.token_fn(with_entropy))
-        return out["log_probs"], out.get("entropy")
+        return run_per_row(self.engine, {k: batch[k] for k in keys if k in batch}, batching, loss_fn,
+                           self.token_fn(with_entropy, with_sum_pi_squared=with_sum_pi_squared))
 
 
 def old_log_prob_source(cfg: Config, layout) -> str:
@@ -83,12 +94,14 @@ def old_log_prob_source(cfg: Config, layout) -> str:
     the engine's own), "update" (the actor update's forward gives them exactly: one optimizer step
     per rollout batch, ppo_epochs 1 and one mini-batch, so the policy is unchanged until that forward,
     and nothing needs them before the update, as KL in the reward does, or the rollout correction's
-    weights and rejections, rollout_is / rollout_rs, do), else "pass" (a forward of their own)."""
+    weights and rejections, rollout_is / rollout_rs, do, or an estimator reading the old policy's token
+    statistics), else "pass" (a forward of their own)."""
     a, correction = cfg.actor, cfg.algorithm.rollout_correction
     if correction.bypass_mode:
         return "rollout"
     if (a.ppo_epochs == 1 and layout.actor_mini_batch_samples == layout.samples_per_step
-            and not correction.corrects and not cfg.algorithm.use_kl_in_reward):
+            and not correction.corrects and not cfg.algorithm.use_kl_in_reward
+            and cfg.algorithm.adv_estimator not in algos.TOKEN_STAT_ESTIMATORS):
         return "update"
     return "pass"
 
