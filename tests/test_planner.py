@@ -264,7 +264,7 @@ def test_native_kv_cache_counts_the_engine_slots():
 
 # --- planned states vs what a real trainer holds, phase by phase ----------------------------------
 
-PHASE_CALLS = {"rollout": ("rollout", "generate"), "actor log-prob": ("actor", "compute_log_prob"),
+PHASE_CALLS = {"rollout": ("rollout", "generate"), "actor log-prob": ("actor", "compute_token_stats"),
                "ref log-prob": ("ref", "compute_log_prob"), "critic values": ("critic", "compute_values"),
                "critic update": ("critic", "update_critic"), "actor update": ("actor", "update_policy"),
                "weight sync": ("rollout", "share_shards")}

@@ -100,6 +100,7 @@ def _estimators(tmp, before, layout, groups, tok, roles, extra=()):
                              None)
         batch, scores = {k: v.clone() for k, v in before[0].items()}, before[1].clone()
         batch["baseline_scores"] = torch.zeros_like(scores)  # ReMax's greedy scores
+        batch["sum_pi_squared"] = torch.full_like(batch["old_log_probs"], 0.25)  # the optimal token baselines'
         rows = torch.arange(scores.shape[0], dtype=batch["old_log_probs"].dtype)[:, None] + 1
         batch["ref_log_probs"] = batch["old_log_probs"] - REF_SHIFT * rows
         trainer.compute_advantages(batch, scores)
@@ -189,7 +190,8 @@ def test_rows_rejection_masked_out_count_in_the_seq_mean_normaliser(mode):
     assert float(got) == pytest.approx(float(expect), rel=1e-6)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                                       "optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_every_estimator_sees_the_rejected_mask(runs, estimator):
     advantages, mask = runs["estimators"][estimator]
     before = runs["seq_mean_k1"]["seen"]["before"][0]["response_mask"]

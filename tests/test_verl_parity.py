@@ -285,13 +285,14 @@ def test_the_dppo_references_truncate_importance_weights():
 
 
 @pytest.mark.parametrize("case", MORE["optimal_token_baseline"],
-                         ids=lambda c: "is-weights" if c["rollout_is_weights"] else "no-weights")
-def test_optimal_token_baseline_matches_verl(case):
+                         ids=lambda c: f"{c['estimator']}-{'is-weights' if c['rollout_is_weights'] else 'no-weights'}")
+def test_optimal_token_baselines_match_verl(case):
     """Per-step baselines weighted by the cumulative path variance, per group; the zero tail of a group's one longest
-    response (not of a tie), no baseline for a singleton; W scaled by the squared IS weights where given."""
+    response (not of a tie), no baseline for a singleton; W scaled by the squared IS weights where given. The
+    multi-turn form counts steps in each response's own tokens (holes skipped) and drops empty responses."""
     weights = case["rollout_is_weights"]
     adv, ret = algos.compute_advantages(
-        "optimal_token_baseline", token_rewards=f32(case["token_level_rewards"]), response_mask=f32(case["mask"]),
+        case["estimator"], token_rewards=f32(case["token_level_rewards"]), response_mask=f32(case["mask"]),
         group_index=case["index"], old_log_probs=f32(case["old_log_probs"]), sum_pi_squared=f32(case["sum_pi_squared"]),
         rollout_is_weights=None if weights is None else f32(weights))
     torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-6, rtol=1e-5)

@@ -7,8 +7,9 @@ metrics and the gradient with respect to log_prob, every aggregation); the grpo_
 normalisation, tied best scores included), opo and gpg advantage estimators; kl_penalty's straight-through
 "+" kinds (value and gradient); the geo_mean, clip_cov and kl_cov policy losses; the sapo, dppo_tv and dppo_kl
 policy losses (every aggregation; tau_pos / tau_neg and the DPPO bounds away from verl's defaults); the
-optimal_token_baseline estimator (with and without rollout IS weights, a group whose one longest response has a zero
-tail, a tie for the longest, a singleton).
+optimal_token_baseline estimator and its multi-turn form tir_optimal_token_baseline (with and without rollout IS
+weights, a group whose one longest response has a zero tail, a tie for the longest, a singleton; for the multi-turn
+form, masks with holes and a response without a loss token inside a group).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
 from verl.workers.config.actor import PolicyLossConfig
 
-from make_reference import _lists, _masks, _outcome_rewards, write_reference
+from make_reference import HOLE_MASKS, _lists, _masks, _outcome_rewards, write_reference
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "more_algos_verl_0_9_1.json")
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -146,11 +147,27 @@ def token_baseline_cases():
     sum_pi_squared = torch.rand(b, t, generator=g) * 0.6 + 0.05
     is_weights = torch.exp(0.3 * torch.randn(b, t, generator=g))
     cases = []
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        if name.startswith("tir"):  # holes inside trajectories, and an empty response in the second group
+            t = 10
+            mask = torch.tensor([HOLE_MASKS[i % len(HOLE_MASKS)] for i in range(b)], dtype=torch.float32)
+            mask[5] = 0.0
+            rewards = torch.randn(b, t, generator=g) * mask * (torch.rand(b, t, generator=g) < 0.4)
+            old = (-1.5 + 0.7 * torch.randn(b, t, generator=g)).clamp(max=-0.01)
+            sum_pi_squared = torch.rand(b, t, generator=g) * 0.6 + 0.05
+            is_weights = torch.exp(0.3 * torch.randn(b, t, generator=g))
+        cases += _token_baseline_runs(name, rewards, mask, index, old, sum_pi_squared, is_weights)
+    return cases
+
+
+def _token_baseline_runs(name, rewards, mask, index, old, sum_pi_squared, is_weights) -> list:
+    cases = []
     for weights in (None, is_weights):
-        adv, ret = core_algos.get_adv_estimator_fn("optimal_token_baseline")(
+        adv, ret = core_algos.get_adv_estimator_fn(name)(
             token_level_rewards=rewards.clone(), response_mask=mask, index=index, old_log_probs=old,
             sum_pi_squared=sum_pi_squared, rollout_is_weights=weights)
-        cases.append({"token_level_rewards": _lists(rewards), "mask": _lists(mask), "index": index.tolist(),
+        cases.append({"estimator": name, "token_level_rewards": _lists(rewards), "mask": _lists(mask),
+                      "index": index.tolist(),
                       "old_log_probs": _lists(old), "sum_pi_squared": _lists(sum_pi_squared),
                       "rollout_is_weights": None if weights is None else _lists(weights),
                       "advantages": _lists(adv), "returns": _lists(ret)})

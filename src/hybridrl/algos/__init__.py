@@ -17,7 +17,8 @@ import torch
 from hybridrl.algos.aggregation import LOSS_AGG_MODES, agg_loss, agg_loss_denominator
 from hybridrl.algos.group_estimators import (GroupIndex, _group_mean_std, compute_gpg_advantages,
                                              compute_grpo_passk_advantages, compute_opo_advantages,
-                                             compute_optimal_token_baseline_advantages)
+                                             compute_optimal_token_baseline_advantages,
+                                             compute_tir_optimal_token_baseline_advantages)
 from hybridrl.algos.masked import WHITEN_EPS, _mask_like, masked_mean, masked_sum, masked_var, masked_whiten
 from hybridrl.algos.rollout_correction import (compute_rollout_correction_and_rejection_mask,
                                                rollout_probs_diff_metrics)
@@ -125,8 +126,9 @@ ADV_ESTIMATORS: Dict[str, Callable] = {
     "opo": compute_opo_advantages,
     "gpg": compute_gpg_advantages,
     "optimal_token_baseline": compute_optimal_token_baseline_advantages,
+    "tir_optimal_token_baseline": compute_tir_optimal_token_baseline_advantages,
 }
-TOKEN_STAT_ESTIMATORS = ("optimal_token_baseline",)
+TOKEN_STAT_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 """Estimators that read the old policy's per-token statistics (old log-probs, sum pi^2): they need an old-log-prob
 pass before the advantages."""
 
@@ -166,11 +168,11 @@ def compute_advantages(name: str, *, token_rewards: Optional[Tensor] = None, sco
     if name == "remax":
         need(token_rewards=token_rewards, baseline_scores=baseline_scores)
         return compute_remax_advantages(token_rewards, baseline_scores, response_mask)
-    if name == "optimal_token_baseline":
+    if name in TOKEN_STAT_ESTIMATORS:
         need(token_rewards=token_rewards, group_index=group_index, old_log_probs=old_log_probs,
              sum_pi_squared=sum_pi_squared)
-        return compute_optimal_token_baseline_advantages(token_rewards, response_mask, group_index, old_log_probs,
-                                                         sum_pi_squared, rollout_is_weights)
+        return ADV_ESTIMATORS[name](token_rewards, response_mask, group_index, old_log_probs, sum_pi_squared,
+                                    rollout_is_weights)
     need(scores=scores, group_index=group_index)
     if name in ("grpo", "grpo_passk"):
         return ADV_ESTIMATORS[name](scores, response_mask, group_index, norm_by_std=norm_by_std)

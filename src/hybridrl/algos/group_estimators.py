@@ -93,22 +93,20 @@ def compute_gpg_advantages(scores: Tensor, response_mask: Tensor, group_index: G
     return adv, adv
 
 
-def compute_optimal_token_baseline_advantages(token_rewards: Tensor, response_mask: Tensor, group_index: GroupIndex,
-                                              old_log_probs: Tensor, sum_pi_squared: Tensor,
-                                              rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
-                                              eps: float = 1e-8) -> Tuple[Tensor, Tensor]:
-    """Optimal token baseline (verl 0.9.1's optimal_token_baseline): a baseline per group and time step,
-    B_t = sum_i G_it W_it / sum_i W_it over the group's responses, G the reward-to-go and W_t = sum_{j <= t}
-    (1 - 2 pi_j + sum_v pi_v^2) the cumulative path-variance proxy of the old policy (pi_j its probability of the
-    sampled token, each term times the squared rollout IS weight where given). A single response has baseline 0;
-    with `handle_zero_tail` the one longest response of a group gets 0 where it runs past the second longest.
-    Returns (G - B on the loss tokens, G)."""
-    m = _mask_like(response_mask, token_rewards)
+def _path_variance(token_rewards: Tensor, m: Tensor, old_log_probs: Tensor, sum_pi_squared: Tensor,
+                   rollout_is_weights: Tensor | None) -> Tuple[Tensor, Tensor]:
+    """(reward-to-go G, cumulative path-variance proxy W) [B, T] over the loss tokens m."""
     returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
     w = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
     if rollout_is_weights is not None:
         w = w * rollout_is_weights.square()
-    w_cum = (w * m).cumsum(-1)
+    return returns, (w * m).cumsum(-1)
+
+
+def _minus_token_baselines(returns: Tensor, w_cum: Tensor, m: Tensor, group_index: GroupIndex, handle_zero_tail: bool,
+                           eps: float) -> Tensor:
+    """(G - B) * m with B_t = sum_i G_it W_it / sum_i W_it over each group of two or more responses (0 for a single
+    one); with `handle_zero_tail` the one longest response of a group gets B = 0 past the second longest."""
     baselines = torch.zeros_like(returns)
     for rows in _members(group_index, returns.shape[0], returns.device):
         if rows.numel() < 2:
@@ -121,4 +119,41 @@ def compute_optimal_token_baseline_advantages(token_rewards: Tensor, response_ma
             alone = (lengths == longest).nonzero().reshape(-1)
             if alone.numel() == 1 and longest > second:
                 baselines[rows[alone[0]], second:] = 0.0
-    return (returns - baselines) * m, returns
+    return (returns - baselines) * m
+
+
+def compute_optimal_token_baseline_advantages(token_rewards: Tensor, response_mask: Tensor, group_index: GroupIndex,
+                                              old_log_probs: Tensor, sum_pi_squared: Tensor,
+                                              rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
+                                              eps: float = 1e-8) -> Tuple[Tensor, Tensor]:
+    """Optimal token baseline (verl 0.9.1's optimal_token_baseline): a baseline per group and time step,
+    B_t = sum_i G_it W_it / sum_i W_it over the group's responses, G the reward-to-go and W_t = sum_{j <= t}
+    (1 - 2 pi_j + sum_v pi_v^2) the cumulative path-variance proxy of the old policy (pi_j its probability of the
+    sampled token, each term times the squared rollout IS weight where given). A single response has baseline 0;
+    with `handle_zero_tail` the one longest response of a group gets 0 where it runs past the second longest.
+    Returns (G - B on the loss tokens, G)."""
+    m = _mask_like(response_mask, token_rewards)
+    returns, w_cum = _path_variance(token_rewards, m, old_log_probs, sum_pi_squared, rollout_is_weights)
+    return _minus_token_baselines(returns, w_cum, m, group_index, handle_zero_tail, eps), returns
+
+
+def compute_tir_optimal_token_baseline_advantages(token_rewards: Tensor, response_mask: Tensor, group_index: GroupIndex,
+                                                  old_log_probs: Tensor, sum_pi_squared: Tensor,
+                                                  rollout_is_weights: Tensor | None = None,
+                                                  handle_zero_tail: bool = True,
+                                                  eps: float = 1e-8) -> Tuple[Tensor, Tensor]:
+    """The multi-turn optimal token baseline (verl 0.9.1's tir_optimal_token_baseline): the time step is the
+    response's own loss-token count, so a tool's output inside a trajectory (a hole in the mask) does not advance
+    it and the k-th model token of every response of a group shares one baseline; a response without a loss token
+    leaves its group. Returns (G - B on the loss tokens, G)."""
+    m = _mask_like(response_mask, token_rewards)
+    returns, w_cum = _path_variance(token_rewards, m, old_log_probs, sum_pi_squared, rollout_is_weights)
+    lengths = m.sum(-1).long()
+    order = torch.argsort((m == 0).to(torch.int8), dim=-1, stable=True)  # each row's loss tokens first, in order
+    order = order[:, :int(lengths.max()) if lengths.numel() else 0]
+    packed = (torch.arange(order.shape[1], device=m.device)[None] < lengths[:, None]).to(m.dtype)
+    ids = group_index.tolist() if isinstance(group_index, Tensor) else list(group_index)
+    ids = [g if n else ("no loss token", i) for i, (g, n) in enumerate(zip(ids, lengths.tolist()))]
+    adv = _minus_token_baselines(returns.gather(1, order) * packed, w_cum.gather(1, order) * packed, packed, ids,
+                                 handle_zero_tail, eps)
+    return torch.zeros_like(returns).scatter_(1, order, adv) * m, returns

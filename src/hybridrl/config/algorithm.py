@@ -8,7 +8,7 @@ from hybridrl.config.checks import check, one_of
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk",
-                  "opo", "gpg", "optimal_token_baseline")
+                  "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline")
 ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 """verl's vectorized implementations of the same estimators (the same advantages): read as those."""
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -129,7 +129,8 @@ class AlgorithmConfig:
     """gae (PPO with critic; verl's default), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax,
     grpo_passk, opo, gpg (grpo_vectorized / rloo_vectorized read as grpo / rloo), optimal_token_baseline (a baseline
     per group and time step weighted by the old policy's path variance: it runs an old-log-prob pass, which also
-    gives sum pi^2; not with rollout_correction.bypass_mode)."""
+    gives sum pi^2; not with rollout_correction.bypass_mode), tir_optimal_token_baseline (the same with the time
+    step counted in each response's own tokens: multi-turn trajectories with tool output inside)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -151,8 +152,8 @@ class AlgorithmConfig:
         object.__setattr__(self, "adv_estimator", ESTIMATOR_ALIASES.get(self.adv_estimator, self.adv_estimator))
         one_of("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         one_of("algorithm.kl_penalty", self.kl_penalty, KL_KINDS)
-        check(self.adv_estimator != "optimal_token_baseline" or not self.rollout_correction.bypass_mode,
-              "algorithm.adv_estimator=optimal_token_baseline needs the old policy's sum pi^2 from an old-log-prob "
+        check(not self.adv_estimator.endswith("optimal_token_baseline") or not self.rollout_correction.bypass_mode,
+              f"algorithm.adv_estimator={self.adv_estimator} needs the old policy's sum pi^2 from an old-log-prob "
               "pass, which algorithm.rollout_correction.bypass_mode=true skips: set bypass_mode=false")
 
     @property

@@ -38,7 +38,7 @@ NOT_READ = {
     "trainer.del_local_ckpt_after_load": "checkpoints stay where they are",
     "trainer.balance_batch": "rows stay on the DP rank that generated them (no length balancing across ranks)",
     "actor.calculate_sum_pi_squared": "sum pi^2 is computed whenever algorithm.adv_estimator reads it "
-                                      "(optimal_token_baseline)",
+                                      "(optimal_token_baseline, tir_optimal_token_baseline)",
     "data.return_raw_chat": "each row's raw messages are always kept",
     "data.return_raw_input_ids": "each row's raw messages are always kept",
     "data.return_full_prompt": "each row's raw messages are always kept",
