@@ -1,6 +1,7 @@
 """Tests of hybridrl.data.prompts (+ data.synthetic): validation errors, length handling, shuffling,
 DP sharding and resumable loading. All data is written to tmp_path."""
 import logging
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +13,10 @@ from hybridrl.data.prompts import (DataError, PromptDataset, PromptLoader, left_
                            make_val_loader)
 from hybridrl.data.synthetic import ensure_synthetic_data, write_synthetic_arith
 from hybridrl.tokenizer import load_tokenizer
+
+from dist_helper import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +227,43 @@ def test_resume_equals_uninterrupted(tmp_path, tok, stop):
     resumed.load_state_dict(state)
     assert head + _take(resumed, 12 - stop) == uninterrupted
     assert state["epoch"] == stop // 5 and state["batch_index"] == stop % 5
+
+
+def test_a_drawn_seed_gives_way_to_the_checkpoints_and_a_set_one_does_not(tmp_path, tok):
+    """data.seed null: the loader's seed was drawn for this run, and a resume goes on with the order the checkpoint's
+    run started with; a seed set in the config must match the checkpoint's."""
+    ds = PromptDataset(arith_file(tmp_path, 22), tok, DataConfig())
+    uninterrupted = _take(PromptLoader(ds, 4, 1, 2, seed=7), 12)
+    first = PromptLoader(ds, 4, 1, 2, seed=7, seed_drawn=True)
+    head = _take(first, 3)
+    state = first.state_dict()
+    resumed = PromptLoader(ds, 4, 1, 2, seed=999, seed_drawn=True)
+    assert _take(PromptLoader(ds, 4, 1, 2, seed=999), 3) != head  # another seed, another order
+    resumed.load_state_dict(state)
+    assert resumed.seed == 7 and head + _take(resumed, 9) == uninterrupted
+    with pytest.raises(DataError, match="seed=7"):
+        PromptLoader(ds, 4, 1, 2, seed=999).load_state_dict(state)
+
+
+def _drawn_loaders(tmp, data):
+    from hybridrl.config.io import load_config
+    from hybridrl.parallel.distributed import agreed_random_seed
+    from hybridrl.trainer.loop import setup_run
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+                      [f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.seed=null",
+                       f"trainer.default_local_dir={tmp}"])
+    loader = setup_run(cfg)[4]
+    return loader.seed, loader.seed_drawn, [agreed_random_seed() for _ in range(2)]
+
+
+@pytest.mark.distributed
+def test_a_null_data_seed_is_drawn_once_and_shared_by_every_rank(tmp_path):
+    """verl's default data.seed is null: the run draws one (rank 0's, broadcast), so every DP rank shuffles alike."""
+    data = arith_file(tmp_path, 40)
+    ranks = run_distributed(_drawn_loaders, 2, str(tmp_path), data)
+    assert ranks[0] == ranks[1] and ranks[0][1] is True
+    assert len({ranks[0][0], *ranks[0][2]}) == 3  # fresh draws differ (a 2^-31 coincidence aside)
 
 
 def test_resume_with_other_batch_size_fails(tmp_path, tok):

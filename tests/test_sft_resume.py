@@ -63,6 +63,27 @@ def test_a_stopped_sft_run_resumes_to_the_uninterrupted_weights(tmp_path):
         assert (expected[name] == got[name]).all(), name
 
 
+def test_a_drawn_data_seed_survives_a_resume(tmp_path):
+    """data.seed null: the stopped run draws a seed and saves it with its data position; the resumed run goes on with
+    that seed, so it ends with the weights of an uninterrupted run given that seed."""
+    from hybridrl.data.tool_demos import write_demonstrations
+
+    write_demonstrations(str(tmp_path / "demo.parquet"), n=24, seed=3)
+    stopped = tmp_path / "stopped"
+    os.makedirs(stopped / "ckpt")
+    (stopped / "ckpt" / "STOP").touch()
+    first = _sft(tmp_path, stopped, "data.seed=null")
+    assert first.returncode == 75, first.stdout[-2000:] + first.stderr[-3000:]
+    seed = json.loads((stopped / "ckpt" / "global_step_1" / "meta.json").read_text())["data"]["seed"]
+    second = _sft(tmp_path, stopped, "data.seed=null")
+    assert second.returncode == 0 and _steps_logged(second.stdout) == [2, 3, 4], second.stderr[-3000:]
+    whole = _sft(tmp_path, tmp_path / "whole", f"data.seed={seed}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = load_file(tmp_path / "whole" / "hf" / "model.safetensors")
+    got = load_file(stopped / "hf" / "model.safetensors")
+    assert all((expected[name] == got[name]).all() for name in expected)
+
+
 @pytest.mark.parametrize("saved, resuming, fragment", [("sft", "rl", "is an SFT checkpoint"),
                                                       ("rl", "sft", "is an RL checkpoint, not an SFT one")])
 def test_rl_and_sft_refuse_each_others_checkpoints(tmp_path, saved, resuming, fragment):

@@ -37,8 +37,9 @@ class DataConfig:
     """When not filtering: left, right, or error for prompts that are too long."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (seeded)."""
-    seed: int = 1
-    """Seed of the per-epoch shuffle."""
+    seed: Optional[int] = 1
+    """Seed of the per-epoch shuffle; null (verl's default): drawn at random once per run, the same on every rank,
+    and kept in checkpoints, so a resumed run goes on with the order it started with."""
     synthetic_task: str = ""
     """arith or arith_tools: generate that synthetic task into missing train/val files (the CPU demos); empty: a
     missing file is an error."""

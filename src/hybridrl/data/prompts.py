@@ -276,7 +276,7 @@ class PromptLoader:
     """
 
     def __init__(self, dataset: PromptDataset, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True, seed: int = 1, drop_last: bool = True):
+                 shuffle: bool = True, seed: int = 1, drop_last: bool = True, seed_drawn: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if drop_last and batch_size % dp_size:
@@ -288,6 +288,8 @@ class PromptLoader:
         self.dataset, self.batch_size = dataset, batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.seed_drawn = seed_drawn
+        """The seed was drawn for this run (data.seed null): a checkpoint's seed replaces it on resume."""
         self.epoch, self.batch_index = 0, 0
         self._orders = (0, None, None)  # (epoch, its order, the generator's state after drawing it)
 
@@ -335,6 +337,8 @@ class PromptLoader:
                 "batch_size": self.batch_size, "num_prompts": len(self.dataset)}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
+        if self.seed_drawn and state.get("seed") is not None:  # data.seed null: the order the run started with
+            self.seed, self._orders = int(state["seed"]), (0, None, None)
         for key, mine in (("batch_size", self.batch_size), ("num_prompts", len(self.dataset)),
                           ("seed", self.seed)):
             if key in state and int(state[key]) != mine:
@@ -345,10 +349,14 @@ class PromptLoader:
             self.epoch, self.batch_index = self.epoch + 1, 0
 
 
-def make_train_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0,
-                      dp_size: int = 1) -> PromptLoader:
+def make_train_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: int = 1,
+                      drawn_seed: int | None = None) -> PromptLoader:
+    """The training prompts' loader; with data.seed null, `drawn_seed` (the same on every rank) seeds it."""
+    if cfg.seed is None and drawn_seed is None:
+        raise ValueError("data.seed is null: pass the run's drawn seed (parallel.distributed.agreed_random_seed)")
     dataset = PromptDataset(cfg.train_files, tokenizer, cfg)
-    return PromptLoader(dataset, cfg.train_batch_size, dp_rank, dp_size, cfg.shuffle, cfg.seed, True)
+    seed = drawn_seed if cfg.seed is None else cfg.seed
+    return PromptLoader(dataset, cfg.train_batch_size, dp_rank, dp_size, cfg.shuffle, seed, True, cfg.seed is None)
 
 
 def make_val_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0,
@@ -356,7 +364,7 @@ def make_val_loader(cfg: DataConfig, tokenizer: Tokenizer, dp_rank: int = 0,
     """Every validation prompt once, in file order; the last batch may be short (or empty on a rank)."""
     dataset = PromptDataset(cfg.val_files, tokenizer, cfg)
     batch = cfg.val_batch_size or max(1, len(dataset))  # null: the whole set, as verl
-    return PromptLoader(dataset, batch, dp_rank, dp_size, False, cfg.seed, False)
+    return PromptLoader(dataset, batch, dp_rank, dp_size, False, 0, False)  # file order: no seed
 
 
 def write_prompt_parquet(rows: Sequence[Dict[str, Any]], path: str) -> str:

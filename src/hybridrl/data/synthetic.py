@@ -73,6 +73,7 @@ def ensure_synthetic_data(cfg: DataConfig, n_train: int = 2000, n_test: int = 10
     missing += [(os.path.expanduser(p), "test") for p in cfg.val_files]
     missing = [(p, split) for p, split in missing if not os.path.exists(p)]
     for path, split in missing:
-        n, seed = (n_train, cfg.seed) if split == "train" else (n_test, cfg.seed + 1)
+        base = 1 if cfg.seed is None else cfg.seed  # the generated files do not change with a drawn seed
+        n, seed = (n_train, base) if split == "train" else (n_test, base + 1)
         write_prompt_parquet(rows(n, seed, split), path)
     return [p for p, _ in missing]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -204,6 +205,13 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+
+def agreed_random_seed() -> int:
+    """A seed rank 0 draws at random, the same on every rank of the job (collective)."""
+    drawn = [secrets.randbelow(2**31 - 1) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(drawn, src=0)
+    return int(drawn[0])
 
 
 def init_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1, cp: int = 1) -> ParallelGroups:

@@ -138,7 +138,8 @@ class SFTLoader:
     """Endless global batches of `batch_size` trajectories (reshuffled per epoch, seed + epoch); each
     DP rank gets its contiguous slice, padded to the longest trajectory of the global batch."""
 
-    def __init__(self, dataset: SFTDataset, batch_size: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int):
+    def __init__(self, dataset: SFTDataset, batch_size: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int,
+                 seed_drawn: bool = False):
         if batch_size % dp_size:
             raise DataError(f"sft.train_batch_size={batch_size} is not divisible by the data parallel size "
                             f"{dp_size}; make it a multiple of {dp_size}")
@@ -147,6 +148,8 @@ class SFTLoader:
                             f"{batch_size}; lower sft.train_batch_size or add rows")
         self.dataset, self.batch_size = dataset, batch_size
         self.dp_rank, self.dp_size, self.shuffle, self.seed = dp_rank, dp_size, shuffle, seed
+        self.seed_drawn = seed_drawn
+        """The seed was drawn for this run (data.seed null): a checkpoint's seed replaces it on resume."""
 
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size

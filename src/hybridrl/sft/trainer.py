@@ -83,26 +83,28 @@ class SFTTrainer:
             nll, tokens = nll + loss * total, tokens + total
         return {"val/loss": nll / max(tokens, 1.0)}
 
-    def save_checkpoint(self, saver, step: int) -> None:
-        """global_step_{step}: the model and optimizer (LR schedule included), RNG streams, the data position."""
+    def save_checkpoint(self, saver, step: int, seed: int) -> None:
+        """global_step_{step}: the model and optimizer (LR schedule included), RNG streams, the data position (the
+        batches trained and the shuffle's seed)."""
         from hybridrl.checkpoint.writer import layout_of
         from hybridrl.models.hf_config import load_hf_config
         from hybridrl.models.lora_export import lora_meta
 
-        meta = {"run": "sft", "data": {"batches": step}, "layout": layout_of(self.groups),
+        meta = {"run": "sft", "data": {"batches": step, "seed": seed}, "layout": layout_of(self.groups),
                 "hf_config": load_hf_config(self.init_folder), **lora_meta(self.engine.module)}
         saver.save(step, {"actor": self}, meta)
 
-    def resume(self, path: str | None) -> int:
-        """Load a published SFT checkpoint (None: a fresh start); the batches trained before it."""
+    def resume(self, path: str | None) -> dict:
+        """Load a published SFT checkpoint (None: a fresh start); its data position, {"batches": trained before it,
+        "seed": the shuffle's (absent in checkpoints written before it was saved)}."""
         if path is None:
-            return 0
+            return {"batches": 0}
         from hybridrl.checkpoint import load_checkpoint
         from hybridrl.checkpoint.writer import layout_of
 
         meta = load_checkpoint(path, {"actor": self}, layout_of(self.groups), run="sft")
         print0(f"resumed from {path} at step {meta['step']}")
-        return int(meta["data"]["batches"])
+        return meta["data"]
 
     def save(self, folder: str) -> None:
         """Write the model (and the tokenizer, when it is an HF one) as an HF folder, replacing `folder`
@@ -134,6 +136,7 @@ def sft_loader(cfg: Config, tokenizer, groups, files=None):
     (rank 0) when the files are missing and sft.synthetic_task is set."""
     from hybridrl.data.synthetic import write_arith_demonstrations
     from hybridrl.data.tool_demos import write_demonstrations
+    from hybridrl.parallel.distributed import agreed_random_seed
     from hybridrl.sft.data import SFTDataset, SFTLoader
 
     train = files is None  # only training files are generated: held-out ones must be the user's
@@ -146,7 +149,9 @@ def sft_loader(cfg: Config, tokenizer, groups, files=None):
             write(path)
     dist.barrier()
     dataset = SFTDataset(files, tokenizer, cfg.sft, "sft.train_files" if train else "sft.val_files")
-    return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, cfg.data.seed)
+    seed = cfg.data.seed if cfg.data.seed is not None or not train else agreed_random_seed()
+    return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, seed or 0,
+                     seed_drawn=cfg.data.seed is None)
 
 
 def _setup(cfg: Config):
@@ -190,7 +195,10 @@ def run_sft(cfg: Config) -> int:
     resume_from = choose_checkpoint(ckpt, sc.resume_mode, cfg.trainer.verify_checkpoint_digests)
     writer = open_writer(cfg, le.rank == 0, suffix="_sft")
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
-    start = trainer.resume(resume_from)
+    position = trainer.resume(resume_from)
+    start = int(position["batches"])
+    if loader.seed_drawn and position.get("seed") is not None:  # data.seed null: the order the run started with
+        loader.seed = int(position["seed"])
     writer.resumed_at(start)  # a fresh start (0) too: what an earlier attempt logged in these sinks goes
     val = sft_loader(cfg, tokenizer, groups, sc.val_files) if sc.val_files else None
     saver = CheckpointWriter(ckpt)
@@ -209,7 +217,7 @@ def run_sft(cfg: Config) -> int:
         if at_the_end:
             stops.ended_as_planned(step, at_the_end)
         if saves_at(step, last, sc.save_freq, reason):
-            trainer.save_checkpoint(saver, step)
+            trainer.save_checkpoint(saver, step, loader.seed)
         if reason:
             code = stops.stopped(step, reason, ckpt.latest())
             break

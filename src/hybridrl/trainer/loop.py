@@ -91,7 +91,7 @@ def setup_run(cfg: Config):
     from hybridrl.data.prompts import make_train_loader, make_val_loader
     from hybridrl.data.synthetic import ensure_synthetic_data
     from hybridrl.config.layout import derive_layout
-    from hybridrl.parallel.distributed import init_distributed, init_model_parallel
+    from hybridrl.parallel.distributed import agreed_random_seed, init_distributed, init_model_parallel
     from hybridrl.tokenizer import load_data_tokenizer
 
     setup_logging()
@@ -103,7 +103,8 @@ def setup_run(cfg: Config):
     if le.rank == 0:
         ensure_synthetic_data(cfg.data)
     dist.barrier()
-    train_loader = make_train_loader(cfg.data, tokenizer, groups.dp_rank, groups.dp)
+    drawn = agreed_random_seed() if cfg.data.seed is None else None
+    train_loader = make_train_loader(cfg.data, tokenizer, groups.dp_rank, groups.dp, drawn)
     val_loader = make_val_loader(cfg.data, tokenizer, groups.dp_rank, groups.dp) if cfg.data.val_files else None
     return le, tokenizer, layout, groups, train_loader, val_loader
 
