@@ -548,7 +548,8 @@ def test_every_function_keeps_dtype(dtype):
     outs += [agg_loss(rew, mask, mode) for mode in algos.LOSS_AGG_MODES]
     outs += [kl_penalty(rnd(B, T), rnd(B, T), kind) for kind in algos.KL_KINDS]
     outs += [compute_advantages(n, token_rewards=rew, values=vals, response_mask=mask, group_index=ids,
-                                baseline_scores=sc, old_log_probs=-rnd(B, T).abs(), sum_pi_squared=rnd(B, T).abs())[0]
+                                baseline_scores=sc, old_log_probs=-rnd(B, T).abs(), sum_pi_squared=rnd(B, T).abs(),
+                                components=[sc, rnd(B)])[0]
              for n in ADV_ESTIMATORS]
     weights, _, _ = algos.compute_rollout_correction_and_rejection_mask(rnd(B, T), rnd(B, T), mask, "token")
     loss, stats = policy_loss(rnd(B, T), rnd(B, T), rnd(B, T), mask, rollout_is_weights=weights)

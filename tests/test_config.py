@@ -83,6 +83,8 @@ def test_wrong_type_names_key_and_type(override, key, expected):
 @pytest.mark.parametrize("override,fragment", [
     ("actor.clip_ratio_c=0.9", "actor.clip_ratio_c must be > 1"),
     ("actor.tau_neg=0", "actor.tau_neg=0.0 (SAPO's gate temperatures) must be > 0"),
+    ("algorithm.adv_estimator=gdpo", "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys"),
+    ("algorithm.gdpo_reward_keys=[a] algorithm.gdpo_reward_weights=[1,2]", "has 2 weights for 1"),
     ("algorithm.adv_estimator=optimal_token_baseline algorithm.rollout_correction.bypass_mode=true",
      "bypass_mode=true skips: set bypass_mode=false"),
     ("rollout.name=sglang", "rollout.name='sglang' is not one of native, vllm"),

@@ -94,13 +94,15 @@ def _estimators(tmp, before, layout, groups, tok, roles, extra=()):
 
     out = {}
     for name in (n for n in ADV_ESTIMATORS if n != "gae"):
+        gdpo = ["algorithm.gdpo_reward_keys=[copy]"] if name == "gdpo" else []  # one component: the score itself
         cfg = load_config(TINY, _overrides(tmp, BASE + SETTINGS["seq_mean_k1"] + [f"algorithm.adv_estimator={name}"]
-                                           + list(extra)))
+                                           + gdpo + list(extra)))
         trainer = PPOTrainer(cfg, layout, groups, tok, dataclasses.replace(roles, critic=None), RewardManager(cfg.reward),
                              None)
         batch, scores = {k: v.clone() for k, v in before[0].items()}, before[1].clone()
         batch["baseline_scores"] = torch.zeros_like(scores)  # ReMax's greedy scores
         batch["sum_pi_squared"] = torch.full_like(batch["old_log_probs"], 0.25)  # the optimal token baselines'
+        batch["reward_component/copy"] = scores.clone()
         rows = torch.arange(scores.shape[0], dtype=batch["old_log_probs"].dtype)[:, None] + 1
         batch["ref_log_probs"] = batch["old_log_probs"] - REF_SHIFT * rows
         trainer.compute_advantages(batch, scores)
@@ -191,7 +193,7 @@ def test_rows_rejection_masked_out_count_in_the_seq_mean_normaliser(mode):
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                                       "optimal_token_baseline", "tir_optimal_token_baseline"])
+                                       "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"])
 def test_every_estimator_sees_the_rejected_mask(runs, estimator):
     advantages, mask = runs["estimators"][estimator]
     before = runs["seq_mean_k1"]["seen"]["before"][0]["response_mask"]

@@ -129,8 +129,16 @@ def test_bypass_mode_takes_no_pass_whatever_it_corrects(tmp_path):
     assert old_log_prob_source(cfg, derive_layout(cfg, 1, vocab_size=64)) == "rollout"
 
 
-def _token_baseline_step(tmp):
-    """One optimal-token-baseline step; what the estimator was given and gave, the batch before it, the metrics."""
+GDPO_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(len(solution_str) % 3), "format_reward": float("+" in solution_str),
+            "length_reward": len(solution_str) / 10.0}
+"""
+
+
+def _spied_step(tmp, extra):
+    """One step of the tiny config with `extra`; what the advantage estimator was given and gave, the batch before it,
+    the metrics."""
     from hybridrl import algos
     from hybridrl.config.io import load_config
     from hybridrl.rewards import RewardManager
@@ -138,8 +146,8 @@ def _token_baseline_step(tmp):
     from hybridrl.trainer.ppo import PPOTrainer
     from hybridrl.trainer.roles import build_roles
 
-    cfg = load_config(TINY, _overrides(tmp, ["algorithm.adv_estimator=optimal_token_baseline", "data.train_batch_size=2",
-                                             "rollout.n=4", "actor.ppo_mini_batch_size=2"]))
+    cfg = load_config(TINY, _overrides(tmp, ["data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=2"]
+                                       + list(extra)))
     _, tok, layout, groups, loader, _ = setup_run(cfg)
     seen, estimate = {}, algos.compute_advantages
 
@@ -172,7 +180,7 @@ def test_optimal_token_baseline_reads_the_old_policys_statistics_from_its_own_pa
 
     from hybridrl import algos
 
-    run = run_distributed(_token_baseline_step, 1, str(tmp_path))[0]
+    run = run_distributed(_spied_step, 1, str(tmp_path), ["algorithm.adv_estimator=optimal_token_baseline"])[0]
     assert run["source"] == "pass" and "timing_s/old_log_prob" in run["metrics"]
     batch, given = run["batch"], run["kwargs"]
     R, mask = batch["responses"].shape[1], batch["response_mask"]
@@ -188,3 +196,44 @@ def test_optimal_token_baseline_reads_the_old_policys_statistics_from_its_own_pa
     torch.testing.assert_close(run["advantages"], want_adv, atol=1e-5, rtol=1e-5)
     assert not torch.equal(run["advantages"], algos.compute_advantages(
         "grpo", scores=given["scores"], response_mask=given["response_mask"], group_index=given["group_index"])[0])
+
+
+
+@pytest.mark.distributed
+def test_gdpo_normalises_each_reward_component_the_reward_function_returned(tmp_path):
+    """adv_estimator=gdpo with a custom reward returning two components beside its score: the estimator gets each
+    response's values of the keys named (the reward function's own, recomputed here from the decoded responses),
+    and the step's advantages are GDPO's of them with the weights given, not GRPO's of the score."""
+    from hybridrl import algos
+    from hybridrl.tokenizer import load_tokenizer
+
+    reward = tmp_path / "gdpo_reward.py"
+    reward.write_text(GDPO_REWARD)
+    extra = ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[length_reward,format_reward]",
+             "algorithm.gdpo_reward_weights=[0.5,2.0]", f"reward.custom_function.path={reward}"]
+    run = run_distributed(_spied_step, 1, str(tmp_path), extra)[0]
+    batch, given = run["batch"], run["kwargs"]
+    tok = load_tokenizer("builtin:tiny")
+    texts = [tok.decode(r[m.bool()].tolist()) for r, m in zip(batch["responses"], batch["attention_mask"][:, -6:])]
+    want = [[len(t) / 10.0 for t in texts], [float("+" in t) for t in texts]]
+    assert [c.tolist() for c in given["components"]] == [torch.tensor(w).tolist() for w in want]
+    assert given["component_weights"] == [0.5, 2.0]
+    want_adv, _ = algos.compute_gdpo_advantages([torch.tensor(w) for w in want], given["response_mask"],
+                                                given["group_index"], [0.5, 2.0])
+    torch.testing.assert_close(run["advantages"], want_adv, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(run["advantages"], algos.compute_advantages(
+        "grpo", scores=given["scores"], response_mask=given["response_mask"], group_index=given["group_index"])[0])
+
+
+def test_a_gdpo_key_the_reward_does_not_return_is_named_with_the_fix():
+    from hybridrl.config import AlgorithmConfig
+    from hybridrl.trainer.estimator_inputs import RewardComponentError, keep_reward_components
+
+    cfg = AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_keys=["format_reward"])
+    batch = {"responses": torch.zeros(2, 3, dtype=torch.long)}
+    with pytest.raises(RewardComponentError, match="names 'format_reward'.*its dict keys: \\['acc'\\]"):
+        keep_reward_components(batch, {"acc": [1.0, 0.0]}, cfg)
+    with pytest.raises(RewardComponentError, match="as a number"):
+        keep_reward_components(batch, {"format_reward": [1.0, "yes"]}, cfg)
+    keep_reward_components(batch, {"format_reward": [1.0, 0.0]}, cfg)
+    assert batch["reward_component/format_reward"].tolist() == [1.0, 0.0]

@@ -298,3 +298,15 @@ def test_optimal_token_baselines_match_verl(case):
     torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ret, f32(case["returns"]), atol=1e-6, rtol=1e-6)
     assert not torch.equal(adv, ret * f32(case["mask"]))  # a baseline was subtracted
+
+
+@pytest.mark.parametrize("case", MORE["gdpo"], ids=lambda c: "-".join(c["keys"]))
+def test_gdpo_matches_verl(case):
+    """Each reward component normalised within its group apart (a group whose component is all equal gives 0 there),
+    the weighted sum whitened over the loss tokens: verl's values from its trainer's inputs."""
+    mask = f32(case["mask"])
+    adv, ret = algos.compute_advantages("gdpo", response_mask=mask, group_index=case["index"],
+                                        components=[f32(c) for c in case["components"]],
+                                        component_weights=case["weights"], norm_by_std=False)  # not read by GDPO
+    torch.testing.assert_close(adv, f32(case["advantages"]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, f32(case["returns"]), atol=1e-5, rtol=1e-5)

@@ -7,7 +7,8 @@ metrics and the gradient with respect to log_prob, every aggregation); the grpo_
 normalisation, tied best scores included), opo and gpg advantage estimators; kl_penalty's straight-through
 "+" kinds (value and gradient); the geo_mean, clip_cov and kl_cov policy losses; the sapo, dppo_tv and dppo_kl
 policy losses (every aggregation; tau_pos / tau_neg and the DPPO bounds away from verl's defaults); the
-optimal_token_baseline estimator and its multi-turn form tir_optimal_token_baseline (with and without rollout IS
+gdpo estimator (two and three reward components, with and without weights); the optimal_token_baseline estimator
+and its multi-turn form tir_optimal_token_baseline (with and without rollout IS
 weights, a group whose one longest response has a zero tail, a tie for the longest, a singleton; for the multi-turn
 form, masks with holes and a response without a loss token inside a group).
 """
@@ -174,6 +175,30 @@ def _token_baseline_runs(name, rewards, mask, index, old, sum_pi_squared, is_wei
     return cases
 
 
+def gdpo_cases():
+    """verl's trainer hands GDPO the config, the per-response reward components (non_tensor_batch) and the batch (its
+    prompt width and attention mask place each value on the response's last token)."""
+    g = torch.Generator().manual_seed(38)
+    cases = []
+    for keys, weights in ((["format_reward", "accuracy_reward"], None), (["a", "b", "c"], [1.0, 0.5, 2.0])):
+        b, p, t = 12, 3, 7
+        mask = _masks(g, b, t)
+        mask[1, 0] = 1.0  # every response has a token
+        values = {k: np.round(np.asarray(torch.rand(b, generator=g) * (1 + 4 * i)), 1).astype(np.float32)
+                  for i, k in enumerate(keys)}
+        values[keys[0]][:4] = 1.0  # a group whose first component is all equal (std 0)
+        index = np.array([i // 4 for i in range(b)])
+        cfg = AlgoConfig(gdpo_reward_keys=keys, gdpo_reward_weights=weights)
+        batch = {"prompts": torch.ones(b, p, dtype=torch.long),
+                 "attention_mask": torch.cat([torch.ones(b, p), mask], 1).long()}
+        adv, ret = core_algos.get_adv_estimator_fn("gdpo")(
+            token_level_rewards=torch.zeros(b, t), response_mask=mask, index=index, config=cfg,
+            non_tensor_batch=values, batch=batch)
+        cases.append({"keys": keys, "weights": weights, "components": [values[k].tolist() for k in keys],
+                      "mask": _lists(mask), "index": index.tolist(), "advantages": _lists(adv), "returns": _lists(ret)})
+    return cases
+
+
 def straight_through_kl_cases():
     g = torch.Generator().manual_seed(34)
     logprob = -3.0 + torch.randn(3, 8, generator=g)
@@ -193,7 +218,7 @@ def main():
     ref = {"verl_version": verl.__version__, "torch_version": torch.__version__, "token_sum": token_sum_cases(),
            "policy_loss": policy_loss_cases(), "covariance_losses": covariance_loss_cases(),
            "trust_region_losses": trust_region_loss_cases(),
-           "estimators": estimator_cases(), "optimal_token_baseline": token_baseline_cases(),
+           "estimators": estimator_cases(), "optimal_token_baseline": token_baseline_cases(), "gdpo": gdpo_cases(),
            "straight_through_kl": straight_through_kl_cases()}
     write_reference(OUT, ref)
 

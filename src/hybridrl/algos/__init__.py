@@ -10,7 +10,7 @@ another hybridrl package: callers reduce across ranks themselves, so the same co
 driver, workers and tests.
 """
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,6 +66,22 @@ def compute_grpo_advantages(scores: Tensor, response_mask: Tensor, group_index: 
     mean, std, _ = _group_mean_std(scores, group_index)
     adv = (scores - mean) / (std + eps) if norm_by_std else scores - mean
     adv = adv[:, None] * _mask_like(response_mask, scores)
+    return adv, adv
+
+
+def compute_gdpo_advantages(components: Sequence[Tensor], response_mask: Tensor, group_index: GroupIndex,
+                            weights: Optional[Sequence[float]] = None, norm_by_std: bool = True,
+                            eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
+    """GDPO (arXiv 2601.05242, verl's gdpo): each reward component [B] normalised within its group apart, as GRPO
+    normalises the score (so a large component does not drown a small one), their weighted sum (equal weights by
+    default), whitened over the batch's loss tokens."""
+    weights = [1.0] * len(components) if weights is None else list(weights)
+    if len(weights) != len(components):
+        raise ValueError(f"{len(weights)} GDPO weights for {len(components)} reward components")
+    m = _mask_like(response_mask, components[0])
+    total = sum(w * compute_grpo_advantages(c, response_mask, group_index, eps, norm_by_std)[0]
+                for w, c in zip(weights, components))
+    adv = masked_whiten(total, m) * m
     return adv, adv
 
 
@@ -127,6 +143,7 @@ ADV_ESTIMATORS: Dict[str, Callable] = {
     "gpg": compute_gpg_advantages,
     "optimal_token_baseline": compute_optimal_token_baseline_advantages,
     "tir_optimal_token_baseline": compute_tir_optimal_token_baseline_advantages,
+    "gdpo": compute_gdpo_advantages,
 }
 TOKEN_STAT_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 """Estimators that read the old policy's per-token statistics (old log-probs, sum pi^2): they need an old-log-prob
@@ -145,7 +162,8 @@ def compute_advantages(name: str, *, token_rewards: Optional[Tensor] = None, sco
                        group_index: Optional[GroupIndex] = None, gamma: float = 1.0, lam: float = 1.0,
                        norm_by_std: bool = True, baseline_scores: Optional[Tensor] = None,
                        old_log_probs: Optional[Tensor] = None, sum_pi_squared: Optional[Tensor] = None,
-                       rollout_is_weights: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                       rollout_is_weights: Optional[Tensor] = None, components: Optional[Sequence[Tensor]] = None,
+                       component_weights: Optional[Sequence[float]] = None) -> Tuple[Tensor, Tensor]:
     """Uniform entry point: pass everything you have, the estimator takes what it needs.
 
     scores default to token_rewards.sum(-1) (outcome reward of each sequence).
@@ -168,6 +186,11 @@ def compute_advantages(name: str, *, token_rewards: Optional[Tensor] = None, sco
     if name == "remax":
         need(token_rewards=token_rewards, baseline_scores=baseline_scores)
         return compute_remax_advantages(token_rewards, baseline_scores, response_mask)
+    if name == "gdpo":
+        need(components=components, group_index=group_index)
+        # each component divided by its group's std whatever norm_by_std says: the method's decoupled normalisation
+        # (verl's trainer does not pass norm_adv_by_std_in_grpo to it either)
+        return compute_gdpo_advantages(components, response_mask, group_index, component_weights)
     if name in TOKEN_STAT_ESTIMATORS:
         need(token_rewards=token_rewards, group_index=group_index, old_log_probs=old_log_probs,
              sum_pi_squared=sum_pi_squared)

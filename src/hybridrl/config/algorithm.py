@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from hybridrl.config.checks import check, one_of
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk",
-                  "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline")
+                  "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo")
 ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 """verl's vectorized implementations of the same estimators (the same advantages): read as those."""
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -130,7 +130,8 @@ class AlgorithmConfig:
     grpo_passk, opo, gpg (grpo_vectorized / rloo_vectorized read as grpo / rloo), optimal_token_baseline (a baseline
     per group and time step weighted by the old policy's path variance: it runs an old-log-prob pass, which also
     gives sum pi^2; not with rollout_correction.bypass_mode), tir_optimal_token_baseline (the same with the time
-    step counted in each response's own tokens: multi-turn trajectories with tool output inside)."""
+    step counted in each response's own tokens: multi-turn trajectories with tool output inside), gdpo (each
+    reward component of gdpo_reward_keys normalised within its group apart, then summed and whitened)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -147,11 +148,22 @@ class AlgorithmConfig:
     """DAPO dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """The engine-vs-trainer mismatch: importance sampling, rejection, bypass mode (verl's keys)."""
+    gdpo_reward_keys: Optional[List[str]] = None
+    """GDPO: the keys of the reward function's dict whose values are normalised apart (e.g. [format_reward,
+    accuracy_reward]); every response's must be a number."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """GDPO: one weight per key in the sum (null: equal weights)."""
 
     def __post_init__(self):
         object.__setattr__(self, "adv_estimator", ESTIMATOR_ALIASES.get(self.adv_estimator, self.adv_estimator))
         one_of("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         one_of("algorithm.kl_penalty", self.kl_penalty, KL_KINDS)
+        check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys),
+              "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward function's dict "
+              "to normalise apart, e.g. [format_reward, accuracy_reward]")
+        check(self.gdpo_reward_weights is None or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys or []),
+              f"algorithm.gdpo_reward_weights has {len(self.gdpo_reward_weights or [])} weights for "
+              f"{len(self.gdpo_reward_keys or [])} algorithm.gdpo_reward_keys: give one per key, or null")
         check(not self.adv_estimator.endswith("optimal_token_baseline") or not self.rollout_correction.bypass_mode,
               f"algorithm.adv_estimator={self.adv_estimator} needs the old policy's sum pi^2 from an old-log-prob "
               "pass, which algorithm.rollout_correction.bypass_mode=true skips: set bypass_mode=false")

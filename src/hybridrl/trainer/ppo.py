@@ -35,7 +35,8 @@ from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, gather_objects_dp, is_rollout_source,
                                          local_slice, pad_columns, route_columns)
-from hybridrl.trainer.old_policy import estimator_token_inputs, old_policy_pass
+from hybridrl.trainer.estimator_inputs import estimator_inputs, keep_reward_components
+from hybridrl.trainer.old_policy import old_policy_pass
 from hybridrl.trainer.validation import metrics_from_samples
 from hybridrl.workers.actor import old_log_prob_source
 from hybridrl.workers.critic import values_source
@@ -269,6 +270,7 @@ class PPOTrainer:
                 batch["baseline_scores"] = self.remax_baselines(p, step)
             with self.timer("reward"):
                 out = (batch, *self.score_details(batch, p, self.cfg.rollout.n))
+                keep_reward_components(batch, out[3], self.cfg.algorithm)
             if self.cfg.trainer.rollout_data_dir:
                 scored.append(generation_dump.RowInfo.of([g for g in p.ground_truth for _ in range(self.cfg.rollout.n)], out[3]))
             return out
@@ -291,11 +293,8 @@ class PPOTrainer:
         with self.timer("gen"):
             greedy = self.generate(prompts, sampling, step)
         with self.timer("reward"):
-            scores = self.score(greedy, prompts, 1)
+            scores = self.score_details(greedy, prompts, 1)[0]
         return scores.repeat_interleave(self.cfg.rollout.n)
-
-    def score(self, batch, prompts, n: int, use_reward_model: bool = True) -> torch.Tensor:
-        return self.score_details(batch, prompts, n, use_reward_model)[0]
 
     def score_details(self, batch, prompts, n: int, use_reward_model: bool = True):
         """(scores, scores before overlong shaping, the rule reward's extra values per response).
@@ -367,7 +366,7 @@ class PPOTrainer:
         adv, returns = algos.compute_advantages(
             a.adv_estimator, token_rewards=token_rewards, scores=outcome, values=values, response_mask=mask,
             group_index=group_index, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std_in_grpo,
-            baseline_scores=baselines, **estimator_token_inputs(a.adv_estimator, batch, g))
+            baseline_scores=baselines, **estimator_inputs(a, batch, g))
         if baselines is not None:  # ReMax: the greedy responses' mean score, what the samples are measured against
             metrics["critic/remax_baseline/mean"] = baselines.mean().item()
         return {**metrics, **self._advantage_metrics(batch, all_scores, token_rewards, adv, returns, mask, values)}

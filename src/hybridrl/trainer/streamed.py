@@ -9,6 +9,8 @@ import dataclasses
 
 import torch
 
+from hybridrl.trainer.estimator_inputs import keep_reward_components
+
 
 def prompt_rows(prompts, lo: int, hi: int):
     """Prompts [lo, hi) of a PromptBatch (tensors and per-prompt lists alike)."""
@@ -32,7 +34,8 @@ def sample_streamed(trainer, prompts, step: int, source: str):
         rows = prompt_rows(prompts, lo, hi)
         batch = trainer.assemble_batch(rows, sampling, out, True)
         with trainer.timer("reward"):
-            scores = trainer.score(batch, rows, n)
+            scores, _, infos = trainer.score_details(batch, rows, n)
+        keep_reward_components(batch, infos, trainer.cfg.algorithm)
         trainer.forward_passes(batch, source)
         parts.append((lo, batch, scores))
     parts.sort(key=lambda p: p[0])
