@@ -151,6 +151,12 @@ class SFTLoader:
         self.seed_drawn = seed_drawn
         """The seed was drawn for this run (data.seed null): a checkpoint's seed replaces it on resume."""
 
+    def resume_seed(self, saved: int | None) -> None:
+        """On resume: a drawn seed gives way to the checkpoint's (`saved`; None where the checkpoint has none), so
+        the run goes on with the order it started with."""
+        if self.seed_drawn and saved is not None:
+            self.seed = int(saved)
+
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size
 

@@ -149,9 +149,9 @@ def sft_loader(cfg: Config, tokenizer, groups, files=None):
             write(path)
     dist.barrier()
     dataset = SFTDataset(files, tokenizer, cfg.sft, "sft.train_files" if train else "sft.val_files")
-    seed = cfg.data.seed if cfg.data.seed is not None or not train else agreed_random_seed()
-    return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, seed or 0,
-                     seed_drawn=cfg.data.seed is None)
+    drawn = cfg.data.seed is None and train  # held-out files are read in file order: no seed to draw
+    seed = agreed_random_seed() if drawn else cfg.data.seed or 0
+    return SFTLoader(dataset, cfg.sft.train_batch_size, groups.dp_rank, groups.dp, cfg.sft.shuffle, seed, drawn)
 
 
 def _setup(cfg: Config):
@@ -197,8 +197,7 @@ def run_sft(cfg: Config) -> int:
     trainer = SFTTrainer(cfg, groups, tokenizer, total)
     position = trainer.resume(resume_from)
     start = int(position["batches"])
-    if loader.seed_drawn and position.get("seed") is not None:  # data.seed null: the order the run started with
-        loader.seed = int(position["seed"])
+    loader.resume_seed(position.get("seed"))
     writer.resumed_at(start)  # a fresh start (0) too: what an earlier attempt logged in these sinks goes
     val = sft_loader(cfg, tokenizer, groups, sc.val_files) if sc.val_files else None
     saver = CheckpointWriter(ckpt)
