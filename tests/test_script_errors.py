@@ -51,6 +51,36 @@ def test_run_cli_maps_user_errors_and_keeps_bugs(capsys, tmp_path):
         run_cli(_raises(OSError(errno.EIO, "I/O error")))
 
 
+def test_a_run_that_ended_tears_down_its_process_groups(tmp_path):
+    """train_ppo.py / train_rm.py / train_sft.py destroy the process groups of a run that returned (left to the
+    interpreter's exit, a rank can abort after its run succeeded); a run that failed keeps them."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from hybridrl.config import ConfigError
+    from hybridrl.trainer.entry import run_with_config
+
+    args = argparse.Namespace(config=os.path.join(ROOT, "configs", "tiny_cpu.yaml"), overrides=[])
+
+    def run(cfg, fail=False):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{len(os.listdir(tmp_path))}",
+                                    rank=0, world_size=1)
+        if fail:
+            raise ConfigError("x.y must be > 0")
+        return 5
+
+    try:
+        assert run_with_config(args, lambda cfg: run(cfg, fail=True)) == EXIT_USER_ERROR
+        assert dist.is_initialized()
+        assert run_with_config(args, run) == 5
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _run(script, *args, timeout=180):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -6,7 +6,7 @@ import sys
 import warnings
 
 from hybridrl.log import run_cli
-from hybridrl.trainer.entry import QUIET
+from hybridrl.trainer.entry import QUIET, finished
 
 
 def main(argv=None) -> int:
@@ -22,6 +22,6 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         from hybridrl.sft.trainer import run_sft
 
-        return run_sft(cfg)
+        return finished(run_sft(cfg))
 
     return run_cli(train)

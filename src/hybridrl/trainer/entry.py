@@ -47,4 +47,15 @@ def run_with_config(args, body) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     from hybridrl.config.io import load_config
 
-    return run_cli(lambda: body(load_config(args.config, args.overrides)))
+    return run_cli(lambda: finished(body(load_config(args.config, args.overrides))))
+
+
+def finished(code: int) -> int:
+    """`code`, after tearing down the process groups of a run that ended normally. Left to the interpreter's
+    exit, they are destroyed while it dismantles itself, with their threads still running: a rank can abort
+    there ("terminate called without an active exception") after its run succeeded, and NCCL warns on every
+    rank. A run that failed keeps them: a peer that hangs would hold the teardown."""
+    from hybridrl.parallel.distributed import destroy
+
+    destroy()
+    return code
