@@ -525,3 +525,32 @@ def test_packed_and_context_parallel_estimates_against_measured_steps():
     assert planned[1] == pytest.approx(measured[1], rel=0.15)
     assert planned[2] == pytest.approx(measured[2], rel=0.15)
     assert planned[2] / planned[1] < 0.6 and measured[2] / measured[1] < 0.6
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_copies_only_the_other_stages_where_it_reads_its_own(tied):
+    """Colocated native rollout at rollout TP = TP and PP 2: on each stage the engine's own weights are the whole
+    model at rollout TP less that stage's layers (and, on stage 0, the embedding; with untied embeddings the head
+    on the last stage), counted by hand from the config; generation keeps the actor's weights; an exact check
+    (HF buckets) or share_weights=false keeps the whole copy."""
+    from hybridrl.planner.plan import _context, _engine_weights
+
+    common = ["parallel.tensor_model_parallel_size=4", "parallel.pipeline_model_parallel_size=2",
+              "rollout.tensor_model_parallel_size=4", "rollout.name=native",
+              f"model.tie_word_embeddings={str(tied).lower()}"]
+    ctx = _context(_size_config("qwen2_7b.yaml", *common), 16, 0)
+    a, e = ctx.arch, 2  # bf16
+    h, f, d = a.hidden_size, a.intermediate_size, a.hidden_size // a.num_attention_heads
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * d
+    layer = (qkv * h + qkv + h * h + 3 * h * f) // 4 + 2 * h  # TP 4 shards; the norms whole
+    vocab = a.padded_vocab(4) * h // 4
+    whole = a.num_layers * layer + vocab + h + (0 if tied else vocab)
+    half = a.num_layers // 2 * layer
+    assert _engine_weights(ctx, 0) == (whole - half - vocab) * e
+    assert _engine_weights(ctx, 1) == (whole - half - h - (0 if tied else vocab)) * e
+    p = estimate(_size_config("qwen2_7b.yaml", *common), 16)
+    assert any("its own pipeline stage" in n for n in p.notes)
+    assert p.phase("rollout").bytes("actor/weights") > 0
+    for other in ("rollout.verify_weights=exact", "rollout.share_weights=false"):
+        ctx = _context(_size_config("qwen2_7b.yaml", *common, other), 16, 0)
+        assert _engine_weights(ctx, 0) == _engine_weights(ctx, 1) == whole * e

@@ -164,9 +164,49 @@ def _tp1_and_pp2() -> dict:
     res["tp1_greedy"] = (_greedy(engine), _copied_greedy(module, spec, groups, 1, "float32"))
     reinit_parallel(1, 2)
     groups = current_groups()
-    stage, _ = _actor(1, groups.pp_rank, "float32", False, pp=2)
+    stage, opt = _actor(1, groups.pp_rank, "float32", False, pp=2)
     other = NativeEngine(spec, 1)
-    res["pp2"] = (reshard.update_engine_weights(other, stage, spec, groups, 1), other.own_weight_bytes())
+    res["pp2"] = (reshard.update_engine_weights(other, stage, spec, groups, 1, share=False), other.own_weight_bytes())
+    res.update(_pp2_stage_shared(stage, opt, spec, groups))
+    return res
+
+
+def _pp2_stage_shared(stage, opt, spec, groups) -> dict:
+    """PP 2: the engine reads this stage's own tensors and takes the other stage's, verified."""
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.placement import reshard
+    from hybridrl.rollout.native import NativeEngine
+
+    engine, res = NativeEngine(spec, 1, offload_weights_on_sleep=True), {}
+    local = reshard.global_weight_state(stage, spec, groups)
+    names = list(hc.hf_to_mcore_name_map(spec))  # the trainer's global names; the engine's may differ
+    mine = {g for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank}
+    full = engine.own_weight_bytes()
+    res["pp2_shared"] = _shared_handoff(engine, stage, spec, groups)
+    param = lambda g: engine.params[engine._own_name(g)]  # noqa: E731
+    res["pp2_aliases"] = {g: g in local and param(g).untyped_storage() is local[g].untyped_storage() for g in names}
+    res["pp2_mine"], res["pp2_bytes"] = mine, (full, engine.own_weight_bytes(),
+                                               sum(local[g].nbytes for g in mine))
+    engine.sleep()  # stashes the engine's own half only
+    _step(stage, opt, 1)
+    res["pp2_after_step"] = _shared_handoff(engine, stage, spec, groups)
+    res["pp2_greedy"] = (_greedy(engine), _copied_greedy(stage, spec, groups, 1, "float32"))
+    # a received tensor stored wrong is caught: the other stage's layers are still verified
+    theirs = next(g for g in names if g not in mine and g.endswith("linear_fc2.weight"))
+    real = engine.layout_digests
+
+    def corrupt_then_read(sent, into):
+        sent = list(sent)
+        if theirs in sent:
+            param(theirs).view(-1)[3] += 1.0
+        real(sent, into)
+
+    engine.layout_digests = corrupt_then_read
+    try:
+        reshard.update_engine_weights(engine, stage, spec, groups, 1)
+        res["pp2_corrupt_error"] = None
+    except reshard.HandoffError as e:
+        res["pp2_corrupt_error"] = (theirs, str(e))
     return res
 
 
@@ -217,6 +257,28 @@ def test_a_replaced_parameter_fails_the_identity_check(runs):
     for res in runs:
         error = res["replaced_error"]
         assert error is not None and VICTIM in error and "release_shared" in error
+
+
+@pytest.mark.distributed
+def test_pp2_engine_reads_its_stage_and_verifies_the_other(runs):
+    """PP 2, rollout TP 1: each rank's engine aliases the layers of its own stage (no copy of them, none kept) and
+    copies the other stage's, whose read-back is still checked; greedy decoding equals a fully copied engine."""
+    for res in runs:
+        mine, aliases = res["pp2_mine"], res["pp2_aliases"]
+        assert mine and len(mine) < len(aliases)
+        assert all(aliases[g] == (g in mine) for g in aliases), aliases
+        for key in ("pp2_shared", "pp2_after_step"):
+            report = res[key]["report"]
+            assert report.stage_shared and not report.shared and report.verified and report.verify == "fingerprint"
+            assert res[key]["copied_bytes"] == 0, "the broadcast writes the other stage's layers in place"
+        full, own, stage_bytes = res["pp2_bytes"]
+        assert own == full - stage_bytes and 0 < own < full
+        assert res["pp2_shared"]["report"].total_bytes == own
+        shared, copied = res["pp2_greedy"]
+        assert torch.equal(shared, copied)
+        name, error = res["pp2_corrupt_error"]
+        assert name not in mine and name in error and "differs from what was sent" in error
+    assert torch.equal(runs[0]["pp2_greedy"][0], runs[1]["pp2_greedy"][0])
 
 
 @pytest.mark.distributed

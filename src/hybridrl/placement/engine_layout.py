@@ -183,6 +183,33 @@ def check_digests(names: list, sent: torch.Tensor, theirs: torch.Tensor, spec: G
                     f"({len(bad)} tensors differ in this bucket)")
 
 
+def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error) -> None:
+    """`check_digests` of every (names, sent, theirs) in `checks`, the verdict agreed over the training replica
+    (TP, then PP): each rank raises, naming the first mismatching tensor in `order` (the same list on every
+    rank) whichever rank found it. A rank that raised alone would leave the others in the next collective,
+    and ranks do not all store the same tensors (`shares_stage`: a stage reads its own, copies the others')."""
+    first, found, index = len(order), None, {g: i for i, g in enumerate(order)}
+    for names, sent, theirs in checks:
+        try:
+            check_digests(names, sent, theirs, spec, error)
+        except error as err:
+            found = err
+            bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()
+            first = min(index[names[i]] for i in bad)
+            break
+    flag = torch.tensor([first], dtype=torch.int64, device=checks[0][1].device if checks else "cpu")
+    for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp)):
+        if size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    first = int(flag.item())
+    if found is not None:
+        raise found
+    if first < len(order):
+        name = order[first]
+        raise error(f"engine's stored copy of {name!r} (HF {', '.join(hc.hf_sources(name, spec))}) differs from what "
+                    f"was sent on another rank of the training replica")
+
+
 def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
     """Sum the sources' digests over the training replica (non-holders gave zeros): over TP, then PP."""
     if groups.tp > 1:

@@ -15,6 +15,7 @@ shards by megatron name when it offers `shard_layout` / `load_shards` / `share_s
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -232,6 +233,9 @@ class HandoffReport:
     identity checked (verify "identity")."""
     engine_layout: bool = False
     """Sent in the engine's own megatron layout (`_send_layout`): no HF tensor, one digest per source shard."""
+    stage_shared: bool = False
+    """The engine reads this pipeline stage's own training tensors (`shares_stage`, identity checked) and holds
+    copies of the other stages' layers only (copied and verified; total_bytes counts those)."""
 
     @property
     def verified(self) -> bool:
@@ -319,24 +323,53 @@ def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, de
     return digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
 
 
-def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
+def shares_stage(engine, model, groups) -> bool:
+    """Pipeline stages (PP > 1, EP 1) with the engine at this rank's TP layout and dtype, on its device: the
+    engine reads this stage's own training tensors (`share_shards`) and takes the other stages' layers."""
+    layout, sample = getattr(engine, "shard_layout", None), sample_weight(model)
+    return (groups.pp > 1 and groups.ep == 1 and hasattr(engine, "share_shards") and layout is not None
+            and getattr(engine, "device", None) == sample.device
+            and layout() == (groups.tp, groups.tp_rank, sample.dtype))
+
+
+def _share_stage(engine, names: list, local: dict, spec: GPTSpec, groups, verifying: bool) -> set:
+    """The names of this stage's own tensors, now read by the engine from the training tensors (identity
+    checked, as `_share`)."""
+    shards = [(g, source_tensor(local, g)) for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank]
+    held = engine.share_shards(shards)
+    for name, shard in shards if verifying else ():
+        if name not in held:
+            raise HandoffError(f"engine did not report tensor {name!r}: it was shared but not adopted")
+        check_identity(name, shard, *held[name])
+    return {g for g, _ in shards}
+
+
+def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str, share: bool = False) -> tuple:
     """Each megatron tensor gathered (TP) and broadcast (PP) in the engine's own layout: straight into its
     parameter where that is the merged tensor (rollout TP 1, same vocabulary padding), else into a reused
     scratch the engine takes its slice of (`engine.take_full`). The sources' digests (each training rank's
     shard, digested once, `_source_digests`) of a bucket's tensors are summed over the replica and compared with
-    what the engine reads back from its parameters (`engine.layout_digests`)."""
+    what the engine reads back from its parameters (`engine.layout_digests`). With `share` (`shares_stage`),
+    the engine reads this stage's own tensors themselves (nothing copied or read back for them; still sent to
+    the other stages) and stores only what the other stages send."""
     rt, rr, dtype = engine.shard_layout()
     local = global_weight_state(model, spec, groups)
     names = list(hc.hf_to_mcore_name_map(spec))
-    targets = engine.layout_targets(names)
-    scratch = el.Scratch(dtype, next(iter(targets.values())).device)
+    verifying = verify != "off"
+    stage = set()
+    targets = engine.layout_targets([g for g in names if hc.owner_stage(g, spec, groups.pp) != groups.pp_rank]
+                                    if share else names)
+    if len(targets) < len(names):  # after layout_targets: it wakes the engine, whose stash a share would drop
+        stage = _share_stage(engine, names, local, spec, groups, verifying)
+    scratch = el.Scratch(dtype, sample_weight(model).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
-    verifying, overlap = verify != "off", device.type in OVERLAP_ON
+    overlap = device.type in OVERLAP_ON
     sent = _source_digests(names, local, spec, groups, rt, device) if verifying else None
     row = {g: i for i, g in enumerate(names)}
     bucket, stored, held = [], Fingerprints(device), 0
     pending = []  # written, not yet read back: on CUDA the engine reads a tensor back while the next one moves
+    checks = []  # (names, the sources' digests, the engine's) per bucket
 
     def read_back():
         if verifying and pending:
@@ -346,9 +379,12 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     def flush():
         read_back()
         if verifying:
-            require_reported(bucket, stored)
             summed = el.reduce_digests(sent[[row[g] for g in bucket]], groups)  # a copy: `sent` stays this rank's
-            el.check_digests(bucket, summed[:, rr], stored.result(bucket), spec, HandoffError)
+            kept = [i for i, g in enumerate(bucket) if g not in stage]  # what this engine stored
+            if kept:
+                mine = [bucket[i] for i in kept]
+                require_reported(mine, stored)
+                checks.append((mine, summed[kept, rr], stored.result(mine)))  # compared at the end, agreed
         return 1, max(max_bucket, held)
 
     for g in names:
@@ -356,8 +392,8 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         if bucket and held + size > bucket_bytes:
             n_new, max_bucket = flush()
             n_buckets, bucket, held, stored = n_buckets + n_new, [], 0, Fingerprints(device)
-        param, full_shape = targets[g], hc.mcore_full_shape(g, spec, groups.tp)
-        direct = rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
+        param, full_shape = targets.get(g), hc.mcore_full_shape(g, spec, groups.tp)
+        direct = param is not None and rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
         into = (lambda shape, p=param: p) if direct else scratch.full
         owner = hc.owner_stage(g, spec, groups.pp)
         shard = source_tensor(local, g) if groups.pp_rank == owner else None
@@ -370,21 +406,26 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
                         while_waiting=meanwhile if groups.tp == 1 or shard is None else None)
         elif groups.tp == 1 and overlap:
             meanwhile()
+        bucket.append(g)
+        held += size
+        n_tensors += len(hc.hf_sources(g, spec))
+        if g in stage:  # the engine reads the training tensor itself
+            continue
         if not direct:
             engine.take_full(g, full)
         elif full is not param:  # nothing to gather (TP 1 or replicated): the shard itself
             param.copy_(full)
         if direct and hc.is_vocab_tensor(g):
             param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
-        bucket.append(g)
         pending.append(g)
         if not overlap:
             read_back()  # while what was just written is in the cache
-        held += size
-        n_tensors, total = n_tensors + len(hc.hf_sources(g, spec)), total + param.nbytes
+        total += param.nbytes
     if bucket:
         n_new, max_bucket = flush()
         n_buckets += n_new
+    if verifying:
+        el.check_agreed(checks, names, spec, groups, HandoffError)
     return n_tensors, n_buckets, total, max_bucket
 
 
@@ -429,7 +470,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     it does: nothing is copied and the check is one of identity (`_share`), not of bytes.
     Else, where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
     into its parameters (no gather, no bucket); else, where `engine_layout.sends_engine_layout`, megatron
-    tensors go into the engine's own layout (`_send_layout`); otherwise buckets of HF tensors go to
+    tensors go into the engine's own layout (`_send_layout`; at PP > 1, with `share`, the engine reads this
+    stage's own tensors themselves, `shares_stage`, and copies only the other stages'); otherwise buckets of HF tensors go to
     `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
     compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
     Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
@@ -449,7 +491,10 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     shared = share and shares_weights(engine, model, groups)
     direct = shared or takes_shards(engine, model, groups)
     layout = not direct and el.sends_engine_layout(engine, model, spec, groups, verify)
+    stage_shared = layout and share and shares_stage(engine, model, groups)
     send = _share if shared else _send_shards if direct else _send_layout if layout else _send_buckets
+    if stage_shared:
+        send = functools.partial(_send_layout, share=True)
     start = time.perf_counter()
     with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
         n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
@@ -462,4 +507,5 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     shown = "identity" if shared and verify != "off" else verify
     return HandoffReport(n_tensors, n_buckets, total, bucket_bytes, max_bucket, largest,
                          meter.peak if measure_memory else None, cuda_peak, seconds, shown, direct,
-                         0 if shared else verify_bytes(spec, groups.tp, dtype, verify), shared, layout)
+                         0 if shared else verify_bytes(spec, groups.tp, dtype, verify), shared, layout,
+                         stage_shared)

@@ -205,6 +205,14 @@ def shares_weights(cfg: Config, layout: Layout) -> bool:
             and layout.rollout_tp == layout.tp and layout.pp == 1 and layout.ep == 1)
 
 
+def shares_stage(cfg: Config, layout: Layout) -> bool:
+    """As `shares_weights` at PP > 1 (`reshard.shares_stage`, a fingerprint check or none): the engine reads
+    its own stage's layers from the actor and holds a copy of the other stages' only."""
+    return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
+            and not cfg.actor.lora.enabled and cfg.rollout.verify_weights != "exact"
+            and layout.rollout_tp == layout.tp and layout.pp > 1 and layout.ep == 1)
+
+
 def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
     """What each role holds on the GPU in trainer phase `phase`: the parts `offload.HYBRID_PHASES`
     needs there (with shared weights, generation needs the actor's), plus every part its offload flags
@@ -212,7 +220,8 @@ def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
     items = []
     for role, (offload, critic) in _roles(ctx).items():
         needed = HYBRID_PHASES[phase].get(role, ())
-        if phase == "gen" and role == "actor" and shares_weights(ctx.cfg, ctx.layout):
+        if phase == "gen" and role == "actor" and (shares_weights(ctx.cfg, ctx.layout)
+                                                   or shares_stage(ctx.cfg, ctx.layout)):
             needed = needed + ("params",)
         if role == "reward_model":
             states = {"weights": _reward_model_weights(ctx, stage)}
@@ -224,9 +233,18 @@ def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
     return items
 
 
-def _engine_weights(ctx: _Ctx) -> float:
-    """The rollout engine's own weight copy on one GPU; none where it reads the actor's (`shares_weights`)."""
-    return 0.0 if shares_weights(ctx.cfg, ctx.layout) else _engine_copy(ctx)
+def _engine_weights(ctx: _Ctx, stage: int) -> float:
+    """The rollout engine's own weight copy on a GPU of pipeline stage `stage`: none where it reads the actor's
+    (`shares_weights`), the other stages' layers where it reads its own stage's (`shares_stage`)."""
+    if shares_weights(ctx.cfg, ctx.layout):
+        return 0.0
+    if not shares_stage(ctx.cfg, ctx.layout):
+        return _engine_copy(ctx)
+    lay, arch = ctx.layout, ctx.arch
+    read = mem.stage_params(arch, lay.tp, lay.pp, stage)
+    if stage == lay.pp - 1 and arch.tie_word_embeddings:  # megatron's tied copy there: the engine reads stage 0's
+        read -= arch.padded_vocab(lay.tp) * arch.hidden_size // lay.tp
+    return max(0.0, _engine_copy(ctx) - read * mem.BYTES_PER_ELEMENT[ctx.dtype])
 
 
 def _engine_copy(ctx: _Ctx) -> float:
@@ -238,7 +256,7 @@ def _engine_copy(ctx: _Ctx) -> float:
     return mem.total_params(ctx.arch) * e / rtp
 
 
-def _engine_idle(ctx: _Ctx) -> List[Tuple[str, float]]:
+def _engine_idle(ctx: _Ctx, stage: int) -> List[Tuple[str, float]]:
     """What the engine keeps during training phases: nothing once it sleeps (free_cache_engine; the
     native engine moves its weights off the GPU then), else its weights / vLLM's whole pool."""
     cfg = ctx.cfg
@@ -246,13 +264,13 @@ def _engine_idle(ctx: _Ctx) -> List[Tuple[str, float]]:
         return []
     if cfg.rollout.name == "vllm":
         return [("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes)]
-    return [("rollout/engine_weights", _engine_weights(ctx))]
+    return [("rollout/engine_weights", _engine_weights(ctx, stage))]
 
 
 def _base(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:
     """Runtime overhead and the role states of a phase; the engine's idle share outside its phases."""
     items = [("runtime/overhead", RUNTIME_OVERHEAD_GIB * GIB)] + _role_states(ctx, stage, phase)
-    return items + ([] if phase in ("gen", "update_weights") else _engine_idle(ctx))
+    return items + ([] if phase in ("gen", "update_weights") else _engine_idle(ctx, stage))
 
 
 def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
@@ -261,7 +279,7 @@ def _rollout_phase(ctx: _Ctx, stage: int) -> Phase:
     if cfg.rollout.name == "vllm":
         items.append(("rollout/vllm_pool", cfg.rollout.gpu_memory_utilization * ctx.gpu_bytes))
     else:  # the native engine's weights (all layers, rollout TP, PP 1; none when shared) and a KV cache of its slots
-        items.append(("rollout/engine_weights", _engine_weights(ctx)))
+        items.append(("rollout/engine_weights", _engine_weights(ctx, stage)))
         kv = mem.kv_bytes_per_token(ctx.arch, lay.rollout_tp, 1, ctx.dtype) * ctx.seq
         items.append(("rollout/kv_cache", kv * _native_slots(ctx)))
         prefill = mem.forward_bytes(ctx.arch, cfg.data.max_prompt_length, _native_slots(ctx),
@@ -274,7 +292,8 @@ def _weight_sync_phase(ctx: _Ctx, stage: int) -> Phase:
     """The handoff: the actor's weights, the engine's woken weights (vLLM wakes only those), and the
     stream's buffers: one bucket plus one full tensor, none where shards go straight into the engine."""
     cfg, lay = ctx.cfg, ctx.layout
-    items = _base(ctx, stage, "update_weights") + (_engine_idle(ctx) or [("rollout/engine_weights", _engine_weights(ctx))])
+    items = _base(ctx, stage, "update_weights") + (_engine_idle(ctx, stage)
+                                                   or [("rollout/engine_weights", _engine_weights(ctx, stage))])
     direct = cfg.rollout.name == "native" and lay.rollout_tp == lay.tp and lay.pp == 1
     if not direct:
         largest = mem.largest_tensor_params(ctx.arch, lay.tp) * mem.BYTES_PER_ELEMENT[ctx.dtype]
@@ -401,6 +420,10 @@ def _notes(ctx: _Ctx, gpus_per_node: int, kv: KVCache) -> Tuple[str, ...]:
         notes.append(f"the native engine reads the actor's own weights (rollout tp = tp = {lay.tp}, pp 1): no "
                      f"engine copy ({_engine_copy(ctx) / GIB:.2f} GiB saved), generation keeps the actor's "
                      f"weights on the GPU")
+    elif shares_stage(ctx.cfg, lay):
+        notes.append(f"the native engine reads its own pipeline stage's layers from the actor (rollout tp = tp = "
+                     f"{lay.tp}, pp {lay.pp}) and holds a copy of the other stages' only; generation keeps the "
+                     f"actor's weights on the GPU")
     if 1 <= kv.sequences < kv.sequences_needed:
         notes.append(f"the KV cache holds {kv.sequences} of the {kv.sequences_needed} sequences each engine "
                      f"generates per step: generation runs in waves (raise rollout.gpu_memory_utilization "
@@ -449,10 +472,11 @@ def two_copy_peak(cfg: Config, world_size: int, vocab_size: int = 0) -> float:
         rollout=dataclasses.replace(cfg.rollout, free_cache_engine=False))
     flat = estimate(flat_cfg, world_size, vocab_size)
     training = max(p.total - p.bytes("rollout/") for p in flat.phases)
-    copy = 0.0
-    if shares_weights(flat_cfg, flat.layout):  # the yardstick holds a second copy whatever this config shares
-        copy = _engine_copy(_context(flat_cfg, world_size, vocab_size))
-    return training + flat.phase("rollout").bytes("rollout/") + copy
+    rollout = flat.phase("rollout")
+    copy = 0.0  # the yardstick holds a whole second copy whatever this config shares
+    if shares_weights(flat_cfg, flat.layout) or shares_stage(flat_cfg, flat.layout):
+        copy = _engine_copy(_context(flat_cfg, world_size, vocab_size)) - rollout.bytes("rollout/engine_weights")
+    return training + rollout.bytes("rollout/") + copy
 
 
 def plan(cfg: Config, world_size: int, vocab_size: int = 0, gpus_per_node: int = 0) -> Plan:

@@ -125,8 +125,8 @@ class NativeEngine:
         self.params = {g: state[g] for g in names}
         self._shared: dict[str, torch.Tensor] = {}
         """name -> the trainer's tensor the parameter reads (`share_shards`); empty: the engine's own copy."""
-        self._alias = False
-        """The parameters alias storage that is not the engine's (shared now, or released and not reloaded)."""
+        self._aliased: set[str] = set()
+        """Parameters that alias storage not the engine's (shared now, or released and not reloaded since)."""
         self._bind_slots()
         self._loaded: set[str] = set()
         on_gpu = torch.cuda.is_available()
@@ -139,11 +139,9 @@ class NativeEngine:
         megatron's vocab padding rows zeroed in an own copy (no HF tensor covers them)."""
         self._slots = {hf: (g, view, region) for g, p in self.params.items() for hf, view, region
                        in hc.shard_parts(g, p, self.spec, self.groups.tp, self.groups.tp_rank)}
-        if self._shared:
-            return
         with torch.no_grad():
             for g, p in self.params.items():
-                if hc.is_vocab_tensor(g):
+                if hc.is_vocab_tensor(g) and g not in self._aliased:
                     p[self._slots[hc.hf_sources(g, self.spec)[0]][1].shape[0]:].zero_()
 
     def shard_layout(self) -> tuple:
@@ -157,8 +155,8 @@ class NativeEngine:
         {hf_name: Stored(region, digest)}. A sleeping engine is woken first, without its old weights;
         an engine that read a trainer's tensors (`share_shards`) gets its own copy back first.
         """
-        self._own_copy()
         self._wake_to_overwrite()
+        self._own_copy()
         placed = []
         for name, tensor in weights:
             if name not in self._slots:
@@ -170,8 +168,8 @@ class NativeEngine:
     def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
         """Megatron tensors already at this engine's layout (`shard_layout`), by global name: copied
         whole into the parameters, then read back per HF tensor like `load_weights`."""
-        self._own_copy()
         self._wake_to_overwrite()
+        self._own_copy()
         placed = []
         for global_name, shard in shards:
             own = self._own_name(global_name)
@@ -184,12 +182,14 @@ class NativeEngine:
     def layout_targets(self, names: Iterable[str]) -> dict:
         """{trainer's global megatron name: the parameter it is written into}, at this engine's own layout
         (`shard_layout`): a resharding sender gathers straight into them (`reshard._send_layout`) or hands
-        full tensors to `take_full`. Wakes the engine and gives it its own storage first, like `load_weights`."""
-        self._own_copy()
+        full tensors to `take_full`. Wakes the engine and gives those parameters storage of its own first, like
+        `load_weights`; the others keep what they read (a trainer stage's own tensors, `share_shards`)."""
+        names = list(names)
+        owns = [self._own_name(name) for name in names]
         self._wake_to_overwrite()
+        self._own_copy(owns)
         out = {}
-        for name in names:
-            own = self._own_name(name)
+        for name, own in zip(names, owns):
             out[name] = self.params[own]
             self._loaded.update(hc.hf_sources(own, self.spec))
         return out
@@ -223,7 +223,8 @@ class NativeEngine:
     def share_shards(self, shards: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Read a trainer's own tensors at this engine's layout (`shard_layout`, same device), by global
         name: each parameter becomes an alias of that tensor's storage - no copy, and the engine's own
-        copy is freed. A tensor already shared is kept as it was (not re-adopted), so what this returns,
+        copy is freed. Some tensors only (a pipeline stage's, `reshard._send_layout`): the others keep the
+        engine's storage and are loaded as before. A tensor already shared is kept as it was (not re-adopted), so what this returns,
         {name: (the tensor adopted, the parameter the decode reads)}, is what the caller checks the
         identity of: a trainer tensor replaced since (not updated in place) no longer matches.
         In-place updates (the optimizer's step, a checkpoint load) and offload / onload (the storage is
@@ -235,6 +236,7 @@ class NativeEngine:
             if own not in self._shared:
                 self._adopt(own, shard)
                 adopted = True
+            self._loaded.update(hc.hf_sources(own, self.spec))  # a wake for the other tensors' load forgot it
             held[name] = (self._shared[own], self.params[own])
         if adopted:
             self._bind_slots()  # the old slot views kept the engine's own storages alive
@@ -252,8 +254,7 @@ class NativeEngine:
             self._stash, self._loaded = None, set()
         param.data = shard.detach()
         self._shared[own] = shard.detach()  # shares the trainer tensor's version counter
-        self._alias = True
-        self._loaded.update(hc.hf_sources(own, self.spec))
+        self._aliased.add(own)
 
     def release_shared(self) -> None:
         """Forget the trainer tensors; the next `share_shards` adopts the ones it is given (call it after
@@ -261,20 +262,24 @@ class NativeEngine:
         self._shared, self._loaded = {}, set()
 
     def own_weight_bytes(self) -> int:
-        """Bytes of the weights the engine holds itself (0 while they alias a trainer's tensors)."""
-        if self._alias:
-            return 0
-        return sum({id(p.untyped_storage()): p.untyped_storage().nbytes() for p in self.params.values()}.values())
+        """Bytes of the weights the engine holds itself (none of those that alias a trainer's tensors)."""
+        return sum({id(p.untyped_storage()): p.untyped_storage().nbytes() for g, p in self.params.items()
+                    if g not in self._aliased}.values())
 
-    def _own_copy(self) -> None:
-        """Before a copy into the parameters: storage of the engine's own where they alias a trainer's
-        (a load must never write into the trainer's tensors); its values come with the load."""
-        if not self._alias:
+    def _own_copy(self, owns=None) -> None:
+        """Before a copy into the parameters `owns` (own names; None: all): storage of the engine's own where
+        they alias a trainer's (a load must never write into the trainer's tensors), or where a sleep's stash
+        was dropped by a later `share_shards`; their values come with the load."""
+        owns = list(self.params) if owns is None else owns
+        bare = [g for g in owns if g in self._aliased or self.params[g].untyped_storage().nbytes() == 0]
+        if not bare:
             return
         with torch.no_grad():
-            for param in self.params.values():
-                param.data = torch.empty_like(param)
-        self._alias, self._shared, self._loaded = False, {}, set()
+            for g in bare:
+                self.params[g].data = torch.empty_like(self.params[g])
+                self._aliased.discard(g)
+                self._shared.pop(g, None)
+                self._loaded.difference_update(hc.hf_sources(g, self.spec))
         self._bind_slots()
 
     def _own_name(self, name: str) -> str:
@@ -319,10 +324,11 @@ class NativeEngine:
                                "(PhaseOffload.engine_reads)")
 
     def sleep(self) -> None:
-        """Drop nothing that is needed; on GPU (or when asked) move the weights to host memory. Shared
-        weights stay: they are the trainer's, whose offload decides where they live."""
-        if self.offload_weights_on_sleep and self._stash is None and not self._alias:
-            self._stash = TensorStash(self.params.values(), hosts=self._host_weights)
+        """Drop nothing that is needed; on GPU (or when asked) move the engine's own weights to host memory.
+        Shared weights stay: they are the trainer's, whose offload decides where they live."""
+        own = [p for g, p in self.params.items() if g not in self._aliased]
+        if self.offload_weights_on_sleep and self._stash is None and own:
+            self._stash = TensorStash(own, hosts=self._host_weights)
 
     def wake_up(self) -> None:
         if self._stash is not None:

@@ -444,7 +444,7 @@ class PPOTrainer:
             report = update_engine_weights(self.rollout, self.actor.engine.module, self.roles.spec, self.groups,
                                            r.update_weights_bucket_mb, verify=r.verify_weights,
                                            share=r.share_weights and not self.cfg.actor.lora.enabled)
-        self.hybrid.engine_reads = {"actor"} if report.shared else set()
+        self.hybrid.engine_reads = {"actor"} if report.shared or report.stage_shared else set()
         return report
 
     # ---- validation -----------------------------------------------------------------------
