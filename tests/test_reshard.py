@@ -52,6 +52,7 @@ def _faulty_engine_class():
         # corrupts the victim's slice of what the engine stored before it is read back
         def layout_targets(self, names):
             out = super().layout_targets(names)
+            self.taken = set()
             if self.fault == "drop":
                 self.kept = self._slots[self.victim][1].clone()  # the previous sync's values
             return out
@@ -59,6 +60,7 @@ def _faulty_engine_class():
         def take_full(self, name, full):
             super().take_full(name, full)
             own, tp = self._own_name(name), self.groups.tp
+            self.taken.add(own)
             if self.fault == "wrong_slice" and own == self._slots[self.victim][0]:  # the other rank's rows
                 with torch.no_grad():
                     self.params[own].copy_(full.chunk(tp)[(self.groups.tp_rank + 1) % tp])
@@ -75,6 +77,8 @@ def _faulty_engine_class():
                         view.copy_(view.t().clone())
                     elif self.fault == "bit_flip":
                         view.view(torch.int32).view(-1)[7] ^= 1 << 3
+                    elif self.fault == "wrong_slice" and self._slots[self.victim][0] not in self.taken:
+                        view.copy_(view.flip(-2).clone())  # shards broadcast as they are: rows moved
             return super().layout_digests(names, into)
 
         def _copy_shard(self, global_name, shard):
@@ -265,22 +269,23 @@ def _layout_copy_bytes(spec, groups, rollout_tp: int, engine_rank: int) -> int:
     reorders a gathered row-parallel or gate/up tensor with one copy, or copies a tensor nothing is
     gathered for; an engine at another layout copies its slice out of the merged tensor (real vocabulary
     rows only). Nothing else: QKV and the vocabulary gather and broadcast straight into the engine. An
-    engine at the training TP reads its own stage's tensors themselves: no copy of those into it."""
+    engine at the training TP reads its own stage's tensors themselves and gets the other stage's shards
+    broadcast straight into its parameters: nothing copied."""
     from hybridrl.models import hf_convert as hc
 
     total, tp = 0, groups.tp
+    if rollout_tp == tp:  # each stage's shards go to the other's engine as they are, broadcast into its parameters
+        return 0
     for g in hc.hf_to_mcore_name_map(spec):
         full = hc.mcore_full_shape(g, spec, tp)
         direct = rollout_tp == 1 and hc.mcore_full_shape(g, spec, 1) == full
         dim = hc.tp_split_dim(g)
-        own = hc.owner_stage(g, spec, groups.pp) == groups.pp_rank
-        shared = own and rollout_tp == tp
-        if own:
+        if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank:
             if dim == 1 or "linear_fc1" in g:
                 total += torch.Size(full).numel() * 4
-            elif direct and (dim is None or tp == 1) and not shared:
+            elif direct and (dim is None or tp == 1):
                 total += torch.Size(full).numel() * 4
-        if not direct and not shared:
+        if not direct:
             per = spec.padded_vocab_size(rollout_tp) // rollout_tp
             rows = max(0, min(per, spec.vocab_size - engine_rank * per)) if hc.is_vocab_tensor(g) else \
                 full[0] // (rollout_tp if dim == 0 else 1)

@@ -398,20 +398,26 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         owner = hc.owner_stage(g, spec, groups.pp)
         shard = source_tensor(local, g) if groups.pp_rank == owner else None
         meanwhile = read_back if overlap else None  # touches nothing the collective writes
-        full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \
-            if shard is not None else into(full_shape)
-        if groups.pp > 1:
-            full = full.contiguous()
-            _overlapped(dist.broadcast, full, group=groups.pp_group, group_src=owner,
-                        while_waiting=meanwhile if groups.tp == 1 or shard is None else None)
-        elif groups.tp == 1 and overlap:
-            meanwhile()
+        if stage:  # rollout TP = TP: a stage's TP shard is what the engine of the same TP rank holds, sent as it is
+            _overlapped(dist.broadcast, param if shard is None else shard.contiguous(), group=groups.pp_group,
+                        group_src=owner, while_waiting=meanwhile)
+        else:
+            full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \
+                if shard is not None else into(full_shape)
+            if groups.pp > 1:
+                full = full.contiguous()
+                _overlapped(dist.broadcast, full, group=groups.pp_group, group_src=owner,
+                            while_waiting=meanwhile if groups.tp == 1 or shard is None else None)
+            elif groups.tp == 1 and overlap:
+                meanwhile()
         bucket.append(g)
         held += size
         n_tensors += len(hc.hf_sources(g, spec))
         if g in stage:  # the engine reads the training tensor itself
             continue
-        if not direct:
+        if stage:
+            pass  # broadcast into the parameter itself
+        elif not direct:
             engine.take_full(g, full)
         elif full is not param:  # nothing to gather (TP 1 or replicated): the shard itself
             param.copy_(full)
