@@ -260,6 +260,8 @@ BAD = [
     (SPLIT + ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2",
               "model.moe_intermediate_size=32", "parallel.expert_model_parallel_size=2",
               "async_training.stream_prompts=1"], 3, "stream_prompts > 0 at trainer dp=2: parallel.expert_model"),
+    (SPLIT + ["async_training.stream_prompts=1", "trainer.balance_batch=true"], 3,
+     "trainer.balance_batch moves whole prompt groups"),
 ]
 
 

@@ -82,7 +82,8 @@ def _torchrun(tmp, nproc, extra, timeout=300, port_tries=2, script=None, env=Non
 LAYOUTS = [("grpo", 2, 1, 2), ("grpo", 1, 2, 2), ("grpo", 1, 1, 2), ("gae", 2, 1, 2), ("gae", 1, 2, 2), ("gae", 1, 1, 2)]
 # GAE at PP=2 runs with token-budget micro-batches (variable shapes through the pipeline schedule).
 # GRPO at PP=2 also exercises the KL loss with an offloaded reference, recomputation and HF export.
-EXTRAS = {("gae", 1, 2): ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
+EXTRAS = {("grpo", 1, 1): ["trainer.balance_batch=true"],  # DP 2: the groups move, the first step is world 1's
+          ("gae", 1, 2): ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
                           "actor.log_prob_max_token_len_per_gpu=60", "critic.ppo_max_token_len_per_gpu=48"],
           ("grpo", 1, 2): ["actor.use_kl_loss=true", "ref.offload_params=true", "parallel.recompute_activations=true",
                            "actor.offload.optimizer=true", "actor.offload.grads=true", "actor.offload.params=true", "model.tie_word_embeddings=false"]}
@@ -272,6 +273,10 @@ def test_torchrun_layouts(tmp_path, tmp_path_factory, estimator, tp, pp, nproc):
         assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (key, got, want)
     if estimator == "gae":
         assert "critic/vf_loss" in scalars and "critic/values/mean" in scalars
+    if "trainer.balance_batch=true" in extras:
+        seqlen = {k.split("/")[1]: v[1] for k, v in scalars.items() if k.startswith("global_seqlen/")}
+        assert seqlen["balanced_max"] <= seqlen["max"] and seqlen["balanced_min"] >= seqlen["min"], seqlen
+        assert "global_seqlen/max" not in single  # world 1: nothing to balance
     if "actor.use_kl_loss=true" in extras:
         assert "actor/kl_loss" in scalars and "timing_s/ref" in scalars
     import transformers

@@ -76,12 +76,12 @@ def test_verls_section_layout_is_read(tmp_path):
 def test_verl_keys_with_nothing_to_set_are_named_and_dropped(capsys):
     """A verl config keeps keys that mean nothing here (the Ray world, the data loader's workers, the strategy):
     they are accepted and named once with why, not refused one run at a time; anything else still is."""
-    cfg = load_config("", ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", "trainer.balance_batch=true",
+    cfg = load_config("", ["trainer.nnodes=2", "trainer.n_gpus_per_node=8",
                            "actor_rollout_ref.actor.strategy=megatron", "data.return_raw_chat=true",
                            "data.dataloader_num_workers=8", "critic.strategy=megatron"])
     out = capsys.readouterr().out
     assert cfg.trainer.project_name == "hybridrl"
-    for key in ("trainer.nnodes", "trainer.balance_batch: rows stay on the DP rank", "actor.strategy",
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node: the world is the launcher's", "actor.strategy",
                 "data.dataloader_num_workers", "critic.strategy"):
         assert key in out, key
     with pytest.raises(ConfigError, match="unknown config key 'data.return_everything'"):

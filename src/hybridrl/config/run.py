@@ -31,6 +31,10 @@ class TrainerConfig:
     """verl's evaluation run: validate before training (val_before_train) and end there: no step, no checkpoint."""
     val_before_train: bool = True
     """Validate once before training: at step 0, or at the step a resumed run goes on from (as verl)."""
+    balance_batch: bool = False
+    """verl's: after scoring, move whole prompt groups between DP ranks so each rank's passes see about the same
+    number of tokens (`trainer/balance.py`; global_seqlen/* metrics). verl defaults to true; here rows stay on the
+    rank that generated them unless asked."""
     save_freq: int = 0
     """Checkpoint every this many steps; 0 disables."""
     max_actor_ckpt_to_keep: Optional[int] = None

@@ -36,7 +36,6 @@ NOT_READ = {
     "trainer.ray_wait_register_center_timeout": "no Ray", "trainer.ray_timeline": "no Ray (trainer.timeline_dir)",
     "trainer.esi_redundant_time": "preemption is read from signals and trainer.max_runtime",
     "trainer.del_local_ckpt_after_load": "checkpoints stay where they are",
-    "trainer.balance_batch": "rows stay on the DP rank that generated them (no length balancing across ranks)",
     "actor.calculate_sum_pi_squared": "sum pi^2 is computed whenever algorithm.adv_estimator reads it "
                                       "(optimal_token_baseline, tir_optimal_token_baseline)",
     "data.return_raw_chat": "each row's raw messages are always kept",

@@ -33,8 +33,9 @@ from hybridrl.timeline import Timeline
 from hybridrl.trainer.rollout_correction import check_rollout_correction, correct_rollout
 from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
+from hybridrl.trainer.balance import balance_batch
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, gather_objects_dp, is_rollout_source,
-                                         local_slice, pad_columns, route_columns)
+                                         local_slice, pad_columns, prompt_seeds, route_columns)
 from hybridrl.trainer.estimator_inputs import estimator_inputs, keep_reward_components
 from hybridrl.trainer.old_policy import old_policy_pass
 from hybridrl.trainer.validation import metrics_from_samples
@@ -46,11 +47,6 @@ from hybridrl.config.batching import resolve_batching
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (NaN loss, broken checkpoint); the message names step and tensor."""
-
-
-def prompt_seeds(base: int, step: int, indices) -> list:
-    """Sampling seed per prompt from its dataset row: the same whatever the DP/TP layout."""
-    return [(base * 1_000_003 + step * 7_919 + int(i) * 104_729) % (2 ** 31 - 1) for i in indices]
 
 
 class PPOTrainer:
@@ -115,6 +111,10 @@ class PPOTrainer:
             with t("dump_rollout_generations"):
                 generation_dump.dump_batch(cfg.trainer.rollout_data_dir, step, self.tok, batch, scores, self.step_rows,
                                            self.groups)
+        if cfg.trainer.balance_batch:  # verl's: each DP rank's passes get about the same number of tokens
+            with t("balance"):
+                batch, scores, balanced = balance_batch(batch, scores, cfg.rollout.n, self.groups)
+            sample_metrics.update(balanced)
         if self.remote is not None and upcoming is not None:
             with t("update_weights"):
                 self.remote.prefetch(*self.rollout_request(upcoming, self.train_sampling(), step + 1))

@@ -43,6 +43,11 @@ def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: tor
     }
 
 
+def prompt_seeds(base: int, step: int, indices) -> list:
+    """Sampling seed per prompt from its dataset row: the same whatever the DP/TP layout."""
+    return [(base * 1_000_003 + step * 7_919 + int(i) * 104_729) % (2 ** 31 - 1) for i in indices]
+
+
 def is_rollout_source(groups: ParallelGroups) -> bool:
     """Whether this rank generates its DP shard's rollout (rank 0 of its model replica, TP x CP x PP)."""
     return groups.replica_size == 1 or dist.get_rank(group=groups.replica) == 0

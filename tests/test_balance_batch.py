@@ -1,0 +1,73 @@
+"""trainer.balance_batch: whole prompt groups move between DP ranks so that each rank holds about the same
+number of tokens. The partition against a hand count, and at DP 2 (gloo) the moved rows against the rows
+gathered from every rank, picked by the partition (an independent path), with verl's global_seqlen metrics."""
+import pytest
+import torch
+
+from dist_helper import run_distributed
+
+N = 2  # rollout.n: rows per prompt group
+
+
+def test_groups_by_falling_size_go_to_the_lightest_part_with_room():
+    # sorted: 10 (0), 10 (3), 5 (4), 5 (5), 1 (1), 1 (2): parts take 0 / 3, then 4 / 5, then 1 / 2
+    from hybridrl.trainer.balance import balanced_parts
+
+    assert balanced_parts([10, 1, 1, 10, 5, 5], 2) == [[0, 1, 4], [2, 3, 5]]
+    # as generated, rank 0 holds 10 + 9 + 8 and rank 1 1 + 2 + 3 tokens; balanced 10 + 3 + 2 vs 9 + 8 + 1
+    assert balanced_parts([10, 9, 8, 1, 2, 3], 2) == [[0, 4, 5], [1, 2, 3]]
+    assert balanced_parts([4, 4, 4, 4], 4) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="equal parts"):
+        balanced_parts([1, 2, 3], 2)
+
+
+def _batch(rank: int, groups: int, width: int):
+    """Rank 0's groups long, rank 1's short: row r of group g has 2 * width - ... real tokens."""
+    rows = groups * N
+    lengths = torch.tensor([(width - 1 - (g % 3)) if rank == 0 else (1 + g % 2) for g in range(groups)
+                            for _ in range(N)])
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    ids = torch.arange(rows * width).view(rows, width) + 10_000 * rank  # every row its own ids
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": mask.float(),
+            "done": mask[:, -1].bool()}, torch.arange(rows, dtype=torch.float32) + 100 * rank
+
+
+def _moved(groups: int, width: int) -> dict:
+    from hybridrl.parallel.distributed import current_groups, init_model_parallel
+    from hybridrl.trainer.balance import balance_batch
+    from hybridrl.trainer.step_batch import gather_dp
+
+    init_model_parallel(1, 1)
+    g = current_groups()
+    batch, scores = _batch(g.dp_rank, groups, width)
+    everything = {k: gather_dp(v.to(torch.uint8) if v.dtype == torch.bool else v, g) for k, v in batch.items()}
+    everything["scores"] = gather_dp(scores, g)
+    moved, moved_scores, metrics = balance_batch(batch, scores, N, g)
+    return {"moved": moved, "scores": moved_scores, "metrics": metrics, "everything": everything, "rank": g.dp_rank}
+
+
+@pytest.mark.distributed
+def test_groups_move_whole_to_their_balanced_rank():
+    from hybridrl.trainer.balance import balanced_parts
+
+    groups, width = 6, 12
+    runs = run_distributed(_moved, 2, groups, width)
+    every = runs[0]["everything"]
+    tokens = every["attention_mask"].sum(-1).view(-1, N).sum(-1)
+    parts = balanced_parts(tokens.tolist(), 2)
+    before = tokens.view(2, -1).sum(-1)
+    after = [int(tokens[p].sum()) for p in parts]
+    assert max(after) < max(before) and max(after) - min(after) <= int(tokens.max())
+    for res in runs:
+        rows = torch.tensor([gr * N + j for gr in parts[res["rank"]] for j in range(N)])
+        for key, t in res["moved"].items():
+            want = every[key][rows]
+            assert torch.equal(t.to(want.dtype), want), key
+        assert res["moved"]["done"].dtype == torch.bool
+        assert torch.equal(res["scores"], every["scores"][rows])
+        assert int(res["moved"]["attention_mask"].sum()) == after[res["rank"]]
+        assert res["metrics"] == {"global_seqlen/min": float(before.min()), "global_seqlen/max": float(before.max()),
+                                  "global_seqlen/minmax_diff": float(before.max() - before.min()),
+                                  "global_seqlen/balanced_min": float(min(after)),
+                                  "global_seqlen/balanced_max": float(max(after)),
+                                  "global_seqlen/mean": float(before.sum()) / 2}
