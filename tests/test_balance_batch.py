@@ -71,3 +71,27 @@ def test_groups_move_whole_to_their_balanced_rank():
                                   "global_seqlen/balanced_min": float(min(after)),
                                   "global_seqlen/balanced_max": float(max(after)),
                                   "global_seqlen/mean": float(before.sum()) / 2}
+
+
+def _on_device():
+    import types
+
+    import torch.distributed as dist
+
+    from virtual_device import VIRTUAL
+
+    from hybridrl.trainer.balance import balance_batch
+
+    rank = dist.get_rank()
+    groups = types.SimpleNamespace(dp=2, dp_rank=rank, dp_group=dist.group.WORLD, device=VIRTUAL)
+    batch, scores = _batch(rank, 4, 8)
+    moved, moved_scores, metrics = balance_batch({k: v.to(VIRTUAL) for k, v in batch.items()}, scores.to(VIRTUAL),
+                                                 N, groups)
+    return {k: v.device == VIRTUAL for k, v in moved.items()}, moved_scores.device == VIRTUAL, metrics
+
+
+@pytest.mark.distributed
+def test_balancing_runs_on_the_device():
+    """Every collective of the move gets device tensors (nccl refuses host ones); what moved stays there."""
+    for placed, scores_placed, metrics in run_distributed(_on_device, 2, on_virtual_device=True, timeout=120):
+        assert all(placed.values()) and scores_placed and metrics["global_seqlen/balanced_max"] > 0
