@@ -90,6 +90,12 @@ def test_bad_files_long_rows_and_small_data(tmp_path):
         SFTLoader(dataset, 8, 0, 1, True, 0)
     with pytest.raises(DataError, match="not divisible by the data parallel size 4"):
         SFTLoader(dataset, 6, 0, 4, True, 0)
+    fixed, drawn = SFTLoader(dataset, 2, 0, 1, True, 5), SFTLoader(dataset, 2, 0, 1, True, 9, seed_drawn=True)
+    fixed.resume_seed(5)
+    drawn.resume_seed(5)
+    assert fixed.seed == drawn.seed == 5  # the same seed resumes; a drawn one takes the checkpoint's
+    with pytest.raises(DataError, match=r"shuffled with seed 7, this run has data.seed=5; resume with data.seed=7"):
+        fixed.resume_seed(7)
 
 
 def test_loader_slices_are_the_global_batch(tmp_path):

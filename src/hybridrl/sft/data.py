@@ -153,9 +153,15 @@ class SFTLoader:
 
     def resume_seed(self, saved: int | None) -> None:
         """On resume: a drawn seed gives way to the checkpoint's (`saved`; None where the checkpoint has none), so
-        the run goes on with the order it started with."""
-        if self.seed_drawn and saved is not None:
+        the run goes on with the order it started with; a seed set otherwise than the checkpoint's is refused (the
+        resumed run would read another order: batches seen twice, others skipped), as the RL loader does."""
+        if saved is None:
+            return
+        if self.seed_drawn:
             self.seed = int(saved)
+        elif int(saved) != self.seed:
+            raise DataError(f"cannot resume the SFT data: the checkpoint was shuffled with seed {saved}, this run "
+                            f"has data.seed={self.seed}; resume with data.seed={saved} (or null: the checkpoint's)")
 
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size
