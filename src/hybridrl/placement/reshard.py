@@ -28,8 +28,10 @@ from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight, weight_state
 from hybridrl.placement import engine_layout as el
 from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digests
-from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, check_identity, require_reported,
-                                         shard_hf_parts, stored_shard_error)
+from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, require_reported, shard_hf_parts,
+                                         stored_shard_error)
+from hybridrl.placement.weight_sharing import (share_all, share_stage, shares_stage, shares_weights, source_tensor,
+                                               takes_shards)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
 from hybridrl.placement.rollout_groups import RolloutGroups, join_requests, new_rollout_groups  # noqa: F401 (same)
 
@@ -127,11 +129,6 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
     else:  # row-parallel: rank r holds columns [r*c, (r+1)*c)
         out.view(shard.shape[0], tp, shard.shape[1]).copy_(ranks.transpose(0, 1))
     return out
-
-
-def source_tensor(local: dict, global_name: str) -> torch.Tensor:
-    """The tensor every handoff path reads for `global_name`: this rank's training shard (detached)."""
-    return local[global_name].detach()
 
 
 def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _Staging, own: bool = False) -> list:
@@ -323,27 +320,6 @@ def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, de
     return digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
 
 
-def shares_stage(engine, model, groups) -> bool:
-    """Pipeline stages (PP > 1, EP 1) with the engine at this rank's TP layout and dtype, on its device: the
-    engine reads this stage's own training tensors (`share_shards`) and takes the other stages' layers."""
-    layout, sample = getattr(engine, "shard_layout", None), sample_weight(model)
-    return (groups.pp > 1 and groups.ep == 1 and hasattr(engine, "share_shards") and layout is not None
-            and getattr(engine, "device", None) == sample.device
-            and layout() == (groups.tp, groups.tp_rank, sample.dtype))
-
-
-def _share_stage(engine, names: list, local: dict, spec: GPTSpec, groups, verifying: bool) -> set:
-    """The names of this stage's own tensors, now read by the engine from the training tensors (identity
-    checked, as `_share`)."""
-    shards = [(g, source_tensor(local, g)) for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank]
-    held = engine.share_shards(shards)
-    for name, shard in shards if verifying else ():
-        if name not in held:
-            raise HandoffError(f"engine did not report tensor {name!r}: it was shared but not adopted")
-        check_identity(name, shard, *held[name])
-    return {g for g, _ in shards}
-
-
 def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str, share: bool = False) -> tuple:
     """Each megatron tensor gathered (TP) and broadcast (PP) in the engine's own layout: straight into its
     parameter where that is the merged tensor (rollout TP 1, same vocabulary padding), else into a reused
@@ -360,7 +336,7 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     targets = engine.layout_targets([g for g in names if hc.owner_stage(g, spec, groups.pp) != groups.pp_rank]
                                     if share else names)
     if len(targets) < len(names):  # after layout_targets: it wakes the engine, whose stash a share would drop
-        stage = _share_stage(engine, names, local, spec, groups, verifying)
+        stage = share_stage(engine, names, local, spec, groups, verifying)
     scratch = el.Scratch(dtype, sample_weight(model).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
@@ -435,45 +411,13 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     return n_tensors, n_buckets, total, max_bucket
 
 
-def _share(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
-    """The engine adopts this rank's training tensors (first handoff) or shows the ones it holds; each
-    must be the training tensor itself: the same storage (not a copy at an equal address: the storage
-    object, which survives offload / onload), offset, shape, stride and dtype, and the same version
-    counter (an alias of the parameter, so every in-place update is seen). No byte is read."""
-    local = weight_state(model)
-    shards = [(g, source_tensor(local, g)) for _, g in hc.stage_names(spec, 1, 0)]
-    held = engine.share_shards(shards)
-    if verify != "off":
-        for name, sent in shards:
-            if name not in held:
-                raise HandoffError(f"engine did not report tensor {name!r}: it was shared but not adopted")
-            adopted, param = held[name]
-            check_identity(name, sent, adopted, param)
-    return len(shards), 0, 0, 0
-
-
-def shares_weights(engine, model, groups) -> bool:
-    """The engine can read this rank's training tensors themselves: it offers `share_shards`, takes
-    them as they are (`takes_shards`: same TP layout and dtype, PP 1, EP 1) and lives on their device."""
-    sample = sample_weight(model)
-    return (hasattr(engine, "share_shards") and getattr(engine, "device", None) == sample.device
-            and takes_shards(engine, model, groups))
-
-
-def takes_shards(engine, model, groups) -> bool:
-    """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1, EP 1."""
-    layout = getattr(engine, "shard_layout", None)
-    dtype = sample_weight(model).dtype
-    return layout is not None and groups.pp == 1 and groups.ep == 1 and layout() == (groups.tp, groups.tp_rank, dtype)
-
-
 def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float = 64,
                           verify: str = "fingerprint", measure_memory: bool = False,
                           share: bool = True) -> HandoffReport:
     """Stream the training model into the engine; check what it stored against what was sent.
 
     Where the engine can read this rank's training tensors themselves (`shares_weights`, and `share`),
-    it does: nothing is copied and the check is one of identity (`_share`), not of bytes.
+    it does: nothing is copied and the check is one of identity (`weight_sharing.share_all`), not of bytes.
     Else, where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
     into its parameters (no gather, no bucket); else, where `engine_layout.sends_engine_layout`, megatron
     tensors go into the engine's own layout (`_send_layout`; at PP > 1, with `share`, the engine reads this
@@ -498,7 +442,7 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     direct = shared or takes_shards(engine, model, groups)
     layout = not direct and el.sends_engine_layout(engine, model, spec, groups, verify)
     stage_shared = layout and share and shares_stage(engine, model, groups)
-    send = _share if shared else _send_shards if direct else _send_layout if layout else _send_buckets
+    send = share_all if shared else _send_shards if direct else _send_layout if layout else _send_buckets
     if stage_shared:
         send = functools.partial(_send_layout, share=True)
     start = time.perf_counter()

@@ -198,7 +198,7 @@ def _roles(ctx: _Ctx) -> dict:
 
 
 def shares_weights(cfg: Config, layout: Layout) -> bool:
-    """The native engine reads the actor's own weights (`reshard.shares_weights`): colocated, rollout TP =
+    """The native engine reads the actor's own weights (`weight_sharing.shares_weights`): colocated, rollout TP =
     TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype), no LoRA (merged copies)."""
     return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
             and not cfg.actor.lora.enabled
@@ -206,7 +206,7 @@ def shares_weights(cfg: Config, layout: Layout) -> bool:
 
 
 def shares_stage(cfg: Config, layout: Layout) -> bool:
-    """As `shares_weights` at PP > 1 (`reshard.shares_stage`, a fingerprint check or none): the engine reads
+    """As `shares_weights` at PP > 1 (`weight_sharing.shares_stage`, a fingerprint check or none): the engine reads
     its own stage's layers from the actor and holds a copy of the other stages' only."""
     return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
             and not cfg.actor.lora.enabled and cfg.rollout.verify_weights != "exact"
