@@ -95,3 +95,15 @@ def test_balancing_runs_on_the_device():
     """Every collective of the move gets device tensors (nccl refuses host ones); what moved stays there."""
     for placed, scores_placed, metrics in run_distributed(_on_device, 2, on_virtual_device=True, timeout=120):
         assert all(placed.values()) and scores_placed and metrics["global_seqlen/balanced_max"] > 0
+
+
+def test_on_by_default_as_verl_unless_the_prompts_stream():
+    import os
+
+    from hybridrl.config.io import load_config
+    from hybridrl.trainer.balance import balancing
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu.yaml")
+    assert balancing(load_config(tiny, []))
+    assert not balancing(load_config(tiny, ["trainer.balance_batch=false"]))
+    assert not balancing(load_config(tiny, ["async_training.stream_prompts=1"]))

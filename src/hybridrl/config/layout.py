@@ -243,7 +243,7 @@ def split_ranks(cfg: Config, world_size: int) -> int:
     _require(not (a.stream_prompts and (cfg.algorithm.filter_groups.enable or cfg.algorithm.adv_estimator == "remax")),
              "async_training.stream_prompts > 0 scores each chunk as it arrives, but algorithm.filter_groups and "
              "adv_estimator=remax generate more for the whole batch; set async_training.stream_prompts=0")
-    _require(not (a.stream_prompts and cfg.trainer.balance_batch),
+    _require(not (a.stream_prompts and cfg.trainer.balance_batch is True),
              "trainer.balance_batch moves whole prompt groups between DP ranks before the passes, but with "
              "async_training.stream_prompts > 0 each chunk's passes run as it arrives; set one of them off")
     return k

@@ -31,10 +31,11 @@ class TrainerConfig:
     """verl's evaluation run: validate before training (val_before_train) and end there: no step, no checkpoint."""
     val_before_train: bool = True
     """Validate once before training: at step 0, or at the step a resumed run goes on from (as verl)."""
-    balance_batch: bool = False
+    balance_batch: Optional[bool] = None
     """verl's: after scoring, move whole prompt groups between DP ranks so each rank's passes see about the same
-    number of tokens (`trainer/balance.py`; global_seqlen/* metrics). verl defaults to true; here rows stay on the
-    rank that generated them unless asked."""
+    number of tokens (`trainer/balance.py`; global_seqlen/* metrics). null (the default): on, as verl's default,
+    except with async_training.stream_prompts (the passes run per chunk as it arrives: nothing left to move);
+    true there is refused."""
     save_freq: int = 0
     """Checkpoint every this many steps; 0 disables."""
     max_actor_ckpt_to_keep: Optional[int] = None

@@ -19,6 +19,12 @@ import torch.distributed as dist
 from hybridrl.trainer.step_batch import gather_dp
 
 
+def balancing(cfg) -> bool:
+    """trainer.balance_batch as set, or where null (the default) on unless a step streams its prompts."""
+    chosen = cfg.trainer.balance_batch
+    return (not cfg.async_training.stream_prompts) if chosen is None else bool(chosen)
+
+
 def balanced_parts(tokens: List[int], parts: int) -> List[List[int]]:
     """Indices of `tokens` (one count per group) in `parts` parts of equal size, each sorted: groups by falling
     count (ties: the lower index first), each to the part with the fewest tokens among those with room (ties:

@@ -33,7 +33,7 @@ from hybridrl.timeline import Timeline
 from hybridrl.trainer.rollout_correction import check_rollout_correction, correct_rollout
 from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
-from hybridrl.trainer.balance import balance_batch
+from hybridrl.trainer.balance import balance_batch, balancing
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, gather_objects_dp, is_rollout_source,
                                          local_slice, pad_columns, prompt_seeds, route_columns)
 from hybridrl.trainer.estimator_inputs import estimator_inputs, keep_reward_components
@@ -111,7 +111,7 @@ class PPOTrainer:
             with t("dump_rollout_generations"):
                 generation_dump.dump_batch(cfg.trainer.rollout_data_dir, step, self.tok, batch, scores, self.step_rows,
                                            self.groups)
-        if cfg.trainer.balance_batch:  # verl's: each DP rank's passes get about the same number of tokens
+        if balancing(cfg):  # verl's: each DP rank's passes get about the same number of tokens
             with t("balance"):
                 batch, scores, balanced = balance_batch(batch, scores, cfg.rollout.n, self.groups)
             sample_metrics.update(balanced)
