@@ -28,8 +28,8 @@ def _batch(rank: int, groups: int, width: int):
                             for _ in range(N)])
     mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
     ids = torch.arange(rows * width).view(rows, width) + 10_000 * rank  # every row its own ids
-    return {"input_ids": ids, "attention_mask": mask, "response_mask": mask.float(),
-            "done": mask[:, -1].bool()}, torch.arange(rows, dtype=torch.float32) + 100 * rank
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": mask.float(), "done": mask[:, -1].bool(),
+            "routes": (ids % 97).to(torch.int16)}, torch.arange(rows, dtype=torch.float32) + 100 * rank
 
 
 def _moved(groups: int, width: int) -> dict:
@@ -40,7 +40,8 @@ def _moved(groups: int, width: int) -> dict:
     init_model_parallel(1, 1)
     g = current_groups()
     batch, scores = _batch(g.dp_rank, groups, width)
-    everything = {k: gather_dp(v.to(torch.uint8) if v.dtype == torch.bool else v, g) for k, v in batch.items()}
+    everything = {k: gather_dp(v.long(), g) if v.dtype in (torch.bool, torch.int16) else gather_dp(v, g)
+                  for k, v in batch.items()}
     everything["scores"] = gather_dp(scores, g)
     moved, moved_scores, metrics = balance_batch(batch, scores, N, g)
     return {"moved": moved, "scores": moved_scores, "metrics": metrics, "everything": everything, "rank": g.dp_rank}
@@ -63,7 +64,7 @@ def test_groups_move_whole_to_their_balanced_rank():
         for key, t in res["moved"].items():
             want = every[key][rows]
             assert torch.equal(t.to(want.dtype), want), key
-        assert res["moved"]["done"].dtype == torch.bool
+        assert res["moved"]["done"].dtype == torch.bool and res["moved"]["routes"].dtype == torch.int16
         assert torch.equal(res["scores"], every["scores"][rows])
         assert int(res["moved"]["attention_mask"].sum()) == after[res["rank"]]
         assert res["metrics"] == {"global_seqlen/min": float(before.min()), "global_seqlen/max": float(before.max()),

@@ -19,6 +19,10 @@ import torch.distributed as dist
 from hybridrl.trainer.step_batch import gather_dp
 
 
+WIRE_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
+"""Moved widened: neither gloo nor nccl moves int16 (routed experts' ids), nccl no bool."""
+
+
 def balancing(cfg) -> bool:
     """trainer.balance_batch as set, or where null (the default) on unless a step streams its prompts."""
     chosen = cfg.trainer.balance_batch
@@ -74,11 +78,11 @@ def balance_batch(batch: Dict[str, torch.Tensor], scores: torch.Tensor, n: int,
     def move(t: torch.Tensor) -> torch.Tensor:
         if t.shape[0] != rows:
             raise RuntimeError(f"trainer.balance_batch: a batch entry has {t.shape[0]} rows, the batch {rows}")
-        wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo moves no bool
+        wire = t.to(WIRE_DTYPES.get(t.dtype, t.dtype))
         out = wire.new_empty((sum(receive_rows),) + tuple(t.shape[1:]))
         dist.all_to_all_single(out, wire.index_select(0, index.to(t.device)).contiguous(), receive_rows, send_rows,
                                group=groups.dp_group)
-        return out.to(torch.bool) if t.dtype == torch.bool else out
+        return out.to(t.dtype)
 
     moved = {key: move(t) for key, t in batch.items()}
     return moved, move(scores), seqlen_metrics(tokens, parts, groups.dp)
