@@ -173,29 +173,21 @@ class Scratch:
         return buf[:n].view(shape)
 
 
-def check_digests(names: list, sent: torch.Tensor, theirs: torch.Tensor, spec: GPTSpec, error) -> None:
-    """Each engine-read digest equals the sum of the sources' digests of that slice (one host sync)."""
-    bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()
-    if bad:
-        i = bad[0]
-        raise error(f"engine's stored copy of {names[i]!r} (HF {', '.join(hc.hf_sources(names[i], spec))}) differs "
-                    f"from what was sent: fingerprint sent {sent[i].item()}, read back {theirs[i].item()} "
-                    f"({len(bad)} tensors differ in this bucket)")
-
-
 def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error) -> None:
-    """`check_digests` of every (names, sent, theirs) in `checks`, the verdict agreed over the training replica
-    (TP, then PP): each rank raises, naming the first mismatching tensor in `order` (the same list on every
-    rank) whichever rank found it. A rank that raised alone would leave the others in the next collective,
-    and ranks do not all store the same tensors (`shares_stage`: a stage reads its own, copies the others')."""
+    """Each engine-read digest of every (names, sources' digests, the engine's) in `checks` equals the sum of the
+    sources' digests of that slice, the verdict agreed over the training replica (TP, then PP): each rank raises,
+    naming the first mismatching tensor in `order` (the same list on every rank) whichever rank found it. A rank
+    that raised alone would leave the others in the next collective, and ranks do not all store the same tensors
+    (`shares_stage`: a stage reads its own, copies the others')."""
     first, found, index = len(order), None, {g: i for i, g in enumerate(order)}
     for names, sent, theirs in checks:
-        try:
-            check_digests(names, sent, theirs, spec, error)
-        except error as err:
-            found = err
-            bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()
-            first = min(index[names[i]] for i in bad)
+        bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()  # one host sync per bucket
+        if bad:
+            i = bad[0]
+            found = error(f"engine's stored copy of {names[i]!r} (HF {', '.join(hc.hf_sources(names[i], spec))}) "
+                          f"differs from what was sent: fingerprint sent {sent[i].item()}, read back "
+                          f"{theirs[i].item()} ({len(bad)} tensors differ in this bucket)")
+            first = min(index[names[j]] for j in bad)
             break
     flag = torch.tensor([first], dtype=torch.int64, device=checks[0][1].device if checks else "cpu")
     for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp)):

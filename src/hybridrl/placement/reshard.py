@@ -332,11 +332,10 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     local = global_weight_state(model, spec, groups)
     names = list(hc.hf_to_mcore_name_map(spec))
     verifying = verify != "off"
-    stage = set()
     targets = engine.layout_targets([g for g in names if hc.owner_stage(g, spec, groups.pp) != groups.pp_rank]
                                     if share else names)
-    if len(targets) < len(names):  # after layout_targets: it wakes the engine, whose stash a share would drop
-        stage = share_stage(engine, names, local, spec, groups, verifying)
+    # after layout_targets: it wakes the engine, whose stash a share would drop
+    stage = share_stage(engine, names, local, spec, groups, verifying) if share else set()
     scratch = el.Scratch(dtype, sample_weight(model).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
@@ -391,14 +390,13 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         n_tensors += len(hc.hf_sources(g, spec))
         if g in stage:  # the engine reads the training tensor itself
             continue
-        if stage:
-            pass  # broadcast into the parameter itself
-        elif not direct:
-            engine.take_full(g, full)
-        elif full is not param:  # nothing to gather (TP 1 or replicated): the shard itself
-            param.copy_(full)
-        if direct and hc.is_vocab_tensor(g):
-            param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
+        if not stage:  # (with a stage shared, the broadcast wrote the parameter itself)
+            if not direct:
+                engine.take_full(g, full)
+            elif full is not param:  # nothing to gather (TP 1 or replicated): the shard itself
+                param.copy_(full)
+            if direct and hc.is_vocab_tensor(g):
+                param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
         pending.append(g)
         if not overlap:
             read_back()  # while what was just written is in the cache
@@ -421,8 +419,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     Else, where the engine takes this rank's shards as they are (`takes_shards`), they are copied straight
     into its parameters (no gather, no bucket); else, where `engine_layout.sends_engine_layout`, megatron
     tensors go into the engine's own layout (`_send_layout`; at PP > 1, with `share`, the engine reads this
-    stage's own tensors themselves, `shares_stage`, and copies only the other stages'); otherwise buckets of HF tensors go to
-    `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
+    stage's own tensors themselves, `shares_stage`, and copies only the other stages'); otherwise buckets of
+    HF tensors go to `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
     compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
     Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
     peak of new allocations (`LiveTensorMeter`, slow: for tests and benchmarks) and, with CUDA, takes

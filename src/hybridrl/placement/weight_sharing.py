@@ -25,10 +25,7 @@ def source_tensor(local: dict, global_name: str) -> torch.Tensor:
 def shares_stage(engine, model, groups) -> bool:
     """Pipeline stages (PP > 1, EP 1) with the engine at this rank's TP layout and dtype, on its device: the
     engine reads this stage's own training tensors (`share_shards`) and takes the other stages' layers."""
-    layout, sample = getattr(engine, "shard_layout", None), sample_weight(model)
-    return (groups.pp > 1 and groups.ep == 1 and hasattr(engine, "share_shards") and layout is not None
-            and getattr(engine, "device", None) == sample.device
-            and layout() == (groups.tp, groups.tp_rank, sample.dtype))
+    return groups.pp > 1 and _reads_in_place(engine, model) and _same_shards(engine, model, groups)
 
 
 def share_stage(engine, names: list, local: dict, spec: GPTSpec, groups, verifying: bool) -> set:
@@ -61,13 +58,21 @@ def _adopt(engine, shards: list, verifying: bool) -> None:
 def shares_weights(engine, model, groups) -> bool:
     """The engine can read this rank's training tensors themselves: it offers `share_shards`, takes
     them as they are (`takes_shards`: same TP layout and dtype, PP 1, EP 1) and lives on their device."""
-    sample = sample_weight(model)
-    return (hasattr(engine, "share_shards") and getattr(engine, "device", None) == sample.device
-            and takes_shards(engine, model, groups))
+    return _reads_in_place(engine, model) and takes_shards(engine, model, groups)
 
 
 def takes_shards(engine, model, groups) -> bool:
     """The engine holds this rank's training shards as they are: same TP layout and dtype, PP 1, EP 1."""
+    return groups.pp == 1 and _same_shards(engine, model, groups)
+
+
+def _reads_in_place(engine, model) -> bool:
+    """The engine can alias tensors (`share_shards`) and lives on the training tensors' device."""
+    return hasattr(engine, "share_shards") and getattr(engine, "device", None) == sample_weight(model).device
+
+
+def _same_shards(engine, model, groups) -> bool:
+    """EP 1, and the engine's TP layout and dtype are this rank's training shards'."""
     layout = getattr(engine, "shard_layout", None)
-    dtype = sample_weight(model).dtype
-    return layout is not None and groups.pp == 1 and groups.ep == 1 and layout() == (groups.tp, groups.tp_rank, dtype)
+    return (layout is not None and groups.ep == 1
+            and layout() == (groups.tp, groups.tp_rank, sample_weight(model).dtype))

@@ -200,17 +200,19 @@ def _roles(ctx: _Ctx) -> dict:
 def shares_weights(cfg: Config, layout: Layout) -> bool:
     """The native engine reads the actor's own weights (`weight_sharing.shares_weights`): colocated, rollout TP =
     TP, PP 1, EP 1, rollout.share_weights (the engine runs in model.params_dtype), no LoRA (merged copies)."""
-    return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
-            and not cfg.actor.lora.enabled
-            and layout.rollout_tp == layout.tp and layout.pp == 1 and layout.ep == 1)
+    return layout.pp == 1 and _engine_at_training_layout(cfg, layout)
 
 
 def shares_stage(cfg: Config, layout: Layout) -> bool:
     """As `shares_weights` at PP > 1 (`weight_sharing.shares_stage`, a fingerprint check or none): the engine reads
     its own stage's layers from the actor and holds a copy of the other stages' only."""
+    return layout.pp > 1 and cfg.rollout.verify_weights != "exact" and _engine_at_training_layout(cfg, layout)
+
+
+def _engine_at_training_layout(cfg: Config, layout: Layout) -> bool:
+    """A colocated native engine asked to share, without LoRA, at rollout TP = TP and EP 1."""
     return (cfg.rollout.name == "native" and cfg.rollout.share_weights and not layout.split
-            and not cfg.actor.lora.enabled and cfg.rollout.verify_weights != "exact"
-            and layout.rollout_tp == layout.tp and layout.pp > 1 and layout.ep == 1)
+            and not cfg.actor.lora.enabled and layout.rollout_tp == layout.tp and layout.ep == 1)
 
 
 def _role_states(ctx: _Ctx, stage: int, phase: str) -> List[Tuple[str, float]]:

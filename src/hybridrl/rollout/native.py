@@ -224,9 +224,9 @@ class NativeEngine:
         """Read a trainer's own tensors at this engine's layout (`shard_layout`, same device), by global
         name: each parameter becomes an alias of that tensor's storage - no copy, and the engine's own
         copy is freed. Some tensors only (a pipeline stage's, `reshard._send_layout`): the others keep the
-        engine's storage and are loaded as before. A tensor already shared is kept as it was (not re-adopted), so what this returns,
-        {name: (the tensor adopted, the parameter the decode reads)}, is what the caller checks the
-        identity of: a trainer tensor replaced since (not updated in place) no longer matches.
+        engine's storage and are loaded as before. A tensor already shared is kept as it was (not re-adopted),
+        so what this returns, {name: (the tensor adopted, the parameter the decode reads)}, is what the caller
+        checks the identity of: a trainer tensor replaced since (not updated in place) no longer matches.
         In-place updates (the optimizer's step, a checkpoint load) and offload / onload (the storage is
         resized, not replaced) need nothing. After replacing parameters, `release_shared()`.
         """

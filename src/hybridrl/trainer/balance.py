@@ -19,8 +19,8 @@ import torch.distributed as dist
 from hybridrl.trainer.step_batch import gather_dp
 
 
-WIRE_DTYPES = {torch.int16: torch.int32, torch.bool: torch.uint8}
-"""Moved widened: neither gloo nor nccl moves int16 (routed experts' ids), nccl no bool."""
+WIRE_DTYPES = {torch.int16: torch.int32}
+"""Moved widened: neither gloo nor nccl moves int16 (routed experts' ids)."""
 
 
 def balancing(cfg) -> bool:
