@@ -264,9 +264,10 @@ def _bench_shape_peak(folder) -> dict:
                              for verify in ("fingerprint", "exact", "off")}}
 
 
-def _layout_copy_bytes(spec, groups, rollout_tp: int, engine_rank: int) -> int:
+def _layout_copy_bytes(spec, groups, rollout_tp: int, engine_rank: int, halves: bool = False) -> int:
     """By hand, the bytes the megatron-layout handoff copies on this rank (fp32): the stage holding a tensor
-    reorders a gathered row-parallel or gate/up tensor with one copy, or copies a tensor nothing is
+    reorders a gathered row-parallel or gate/up tensor with one copy (gate/up none when gathered by `halves`,
+    each straight into its half of the engine's parameter), or copies a tensor nothing is
     gathered for; an engine at another layout copies its slice out of the merged tensor (real vocabulary
     rows only). Nothing else: QKV and the vocabulary gather and broadcast straight into the engine. An
     engine at the training TP reads its own stage's tensors themselves and gets the other stage's shards
@@ -281,7 +282,7 @@ def _layout_copy_bytes(spec, groups, rollout_tp: int, engine_rank: int) -> int:
         direct = rollout_tp == 1 and hc.mcore_full_shape(g, spec, 1) == full
         dim = hc.tp_split_dim(g)
         if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank:
-            if dim == 1 or "linear_fc1" in g:
+            if dim == 1 or "linear_fc1" in g and not halves:
                 total += torch.Size(full).numel() * 4
             elif direct and (dim is None or tp == 1):
                 total += torch.Size(full).numel() * 4
@@ -316,6 +317,39 @@ def _stage_stream(model, spec, groups):
     return buckets, bucket_plan(spec, int(BUCKET_MB * 2**20), groups.tp, torch.float32, held)
 
 
+def _gate_up_by_halves(model, spec, groups, export) -> dict:
+    """Into an engine at rollout TP 1 with every gate/up shard gathered by halves (as a large model's are,
+    `reshard.GATE_UP_HALVES_BYTES`): its weights, what it copied, and a corrupted up half caught."""
+    from hybridrl.placement import reshard
+    from hybridrl.rollout.native import NativeEngine
+
+    saved, reshard.GATE_UP_HALVES_BYTES = reshard.GATE_UP_HALVES_BYTES, 0
+    try:
+        engine = _faulty_engine_class()(spec, 1)
+        reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+        out = {"bit_exact": all(torch.equal(engine.params[g], t) for g, t in _expected_shards(export, spec, 1, 0).items())}
+        with CopySpy() as spy:
+            out["report"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+        out["copied"] = (spy.nbytes, _layout_copy_bytes(spec, groups, 1, 0, halves=True),
+                         _layout_copy_bytes(spec, groups, 1, 0))
+        engine.fault, engine.victim = "drop", FAULTS["drop"][0]
+        kept = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25)  # new weights: the dropped up half keeps stale ones
+        try:
+            reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
+            out["drop_error"] = None
+        except reshard.HandoffError as e:
+            out["drop_error"] = str(e)
+        with torch.no_grad():
+            for p, k in zip(model.parameters(), kept):
+                p.copy_(k)
+        return out
+    finally:
+        reshard.GATE_UP_HALVES_BYTES = saved
+
+
 def _handoffs(folder, tied_folder, bench_folder):
     from hybridrl.placement import reshard
     from hybridrl.models.hf_checkpoint import SafetensorsReader, mcore_to_hf_stream, model_from_hf
@@ -343,6 +377,7 @@ def _handoffs(folder, tied_folder, bench_folder):
             reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB)
         res[f"copied_tp{tp}"] = (spy.nbytes, _layout_copy_bytes(spec, groups, tp, engine.groups.tp_rank))
     res["exact_report"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify="exact")
+    res["halves"] = _gate_up_by_halves(model, spec, groups, export)
     res["faults"] = _faults(model, spec, groups)
     reshard.OVERLAP_ON = ("cpu", "cuda")  # the order CUDA runs (a read-back while the next collective moves), on gloo
     try:
@@ -399,6 +434,20 @@ def test_resharded_handoff_writes_the_engine_layout(runs, tp):
         if tp == 1:
             assert copied < report.total_bytes
     assert not runs[0]["exact_report"].engine_layout  # the byte-exact hash is not linear: HF buckets
+
+
+@pytest.mark.distributed
+def test_gate_up_gathered_by_halves_lands_in_place(runs):
+    """Gate/up shards gathered half by half straight into the engine's parameter (the large-tensor path): the
+    weights equal the export, nothing is copied for gate/up (the hand count without its reorder copy, which is
+    fewer bytes than with it), and an up half the engine failed to store is caught."""
+    for res in runs:
+        h = res["halves"]
+        assert h["bit_exact"] and h["report"].engine_layout and h["report"].verified, res["rank"]
+        copied, by_hand, reordered = h["copied"]
+        assert copied == by_hand, (res["rank"], copied, by_hand)
+        assert by_hand < reordered  # each stage holds two layers' gate/up
+        assert h["drop_error"] is not None and FAULTS["drop"][0] in h["drop_error"], h["drop_error"]
 
 
 @pytest.mark.distributed

@@ -9,9 +9,9 @@ rollout ranks' pieces, before the first tensor moves; the sums over the replica 
 over TP, one over PP) are what each rollout rank must have stored; its engine digests its parameter where it
 holds it. The sender digests all its shards as one `Fingerprints` batch, the engine a bucket's tensors as one
 (a few ops per batch, not per tensor).
-Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel or gate/up tensor
-is gathered rank-major into one scratch and reordered by the one copy that writes the engine's
-parameter. Used by `reshard.update_engine_weights` where `sends_engine_layout` (engines that offer
+Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel tensor (and a small
+gate/up one) is gathered rank-major into one scratch and reordered by the one copy that writes the engine's
+parameter; a large gate/up one is gathered by halves, each straight into its half of the parameter. Used by `reshard.update_engine_weights` where `sends_engine_layout` (engines that offer
 `layout_targets`).
 """
 from __future__ import annotations

@@ -54,9 +54,23 @@ def _is_qkv(global_name: str) -> bool:
     return "linear_qkv" in global_name
 
 
-def _reordered(global_name: str, tp: int) -> bool:
-    """TP shards whose rank-order concatenation is not the merged layout (row-parallel, gate/up)."""
-    return tp > 1 and (hc.tp_split_dim(global_name) == 1 or global_name.endswith("linear_fc1.weight"))
+GATE_UP_HALVES_BYTES = 2 * 2**20
+"""A gate/up shard of at least this many bytes is gathered as its two halves, each straight into its half of the
+merged tensor (two collectives, no reorder copy); a smaller one once, rank-major, then reordered: a gloo call costs
+~0.1-0.2 ms here, about what copying 1-2 MiB does (`benchmarks/bench_reshard.py`'s medium model: +3 points of the
+collectives alone with halves, its small one none)."""
+
+
+def _gathers_halves(global_name: str, tp: int, shard_bytes: int) -> bool:
+    """A gate/up shard [gate_r; up_r] gathered half by half: each half's rank-order concatenation is one
+    contiguous half of the merged [gate_*; up_*]."""
+    return tp > 1 and global_name.endswith("linear_fc1.weight") and shard_bytes >= GATE_UP_HALVES_BYTES
+
+
+def _reordered(global_name: str, tp: int, shard_bytes: int) -> bool:
+    """TP shards gathered rank-major and reordered: row-parallel ones, and gate/up ones not gathered by halves."""
+    return tp > 1 and (hc.tp_split_dim(global_name) == 1 or global_name.endswith("linear_fc1.weight")
+                       and not _gathers_halves(global_name, tp, shard_bytes))
 
 
 class _Staging:
@@ -66,7 +80,8 @@ class _Staging:
     def __init__(self, names, spec: GPTSpec, tp: int, bucket_bytes: int, dtype, device):
         sizes = [_full_numel(g, spec, tp) for g in names]
         self.bucket_elems = min(max(bucket_bytes // dtype.itemsize, max(sizes)), sum(sizes))
-        self.scratch_elems = max([n for g, n in zip(names, sizes) if _is_qkv(g) or _reordered(g, tp)], default=0)
+        self.scratch_elems = max([n for g, n in zip(names, sizes)
+                                  if _is_qkv(g) or _reordered(g, tp, n // tp * dtype.itemsize)], default=0)
         self.dtype, self.device = dtype, device
         self._bucket = self._scratch = None
         self.used = 0
@@ -105,9 +120,9 @@ def _overlapped(collective, *args, while_waiting=None, **kwargs) -> None:
 
 def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging, target,
                while_waiting=None) -> torch.Tensor:
-    """The TP-merged tensor: gathered straight into `target(shape)`, or rank-major into the scratch
-    and reordered into `target` with one copy; the shard itself when there is nothing to gather
-    (`while_waiting` then runs at once, else during the gather)."""
+    """The TP-merged tensor: gathered straight into `target(shape)` (gate/up by halves, `_gathers_halves`), or
+    rank-major into the scratch and reordered into `target` with one copy; the shard itself when there is nothing
+    to gather (`while_waiting` then runs at once, else during the (first) gather)."""
     if groups.tp == 1 or hc.tp_split_dim(global_name) is None:
         if while_waiting is not None:
             while_waiting()
@@ -116,9 +131,14 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
     tp, rest = groups.tp, tuple(shard.shape[1:])
     full_shape = (tp * shard.shape[0],) + rest if hc.tp_split_dim(global_name) == 0 else \
         (shard.shape[0], tp * shard.shape[1])
-    if not _reordered(global_name, tp):  # rank-order concatenation along dim 0 is the merged layout
+    if not _reordered(global_name, tp, shard.nbytes):  # rank order along dim 0 is the merged layout
         out = target(full_shape)
-        _overlapped(_all_gather_single, out, shard, group=groups.tp_group, while_waiting=while_waiting)
+        if not _gathers_halves(global_name, tp, shard.nbytes):
+            _overlapped(_all_gather_single, out, shard, group=groups.tp_group, while_waiting=while_waiting)
+            return out
+        halves, merged = shard.view(2, -1, *rest), out.view(2, -1, *rest)  # [gate_r; up_r] -> [gate_*; up_*]
+        _overlapped(_all_gather_single, merged[0], halves[0], group=groups.tp_group, while_waiting=while_waiting)
+        _all_gather_single(merged[1], halves[1], group=groups.tp_group)
         return out
     ranks = staging.scratch((tp * shard.shape[0],) + rest)  # gloo wants the concatenated shape
     _overlapped(_all_gather_single, ranks, shard, group=groups.tp_group, while_waiting=while_waiting)
