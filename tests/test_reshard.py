@@ -124,6 +124,20 @@ def _faults(model, spec, groups) -> dict:
     return out
 
 
+def _one_rank_fault(engine, update) -> str | None:
+    """`update()`'s error on this rank (None: it passed) with a bit flipped in the engine of global rank 0 only."""
+    from hybridrl.placement import reshard
+
+    engine.fault = "bit_flip" if torch.distributed.get_rank() == 0 else None
+    try:
+        update()
+        return None
+    except reshard.HandoffError as e:
+        return str(e)
+    finally:
+        engine.fault = None
+
+
 class _VllmLayoutModel:
     """The parameters of vLLM's Qwen2 model on TP rank `rank`, filled the way vLLM's weight loaders do
     (written here from vLLM's linear / vocab-parallel layers, independently of hybridrl)."""
@@ -241,6 +255,8 @@ def _direct_handoff(folder) -> dict:
         out["bit_flip_error"] = None
     except reshard.HandoffError as e:
         out["bit_flip_error"] = str(e)
+    out["one_rank_fault"] = _one_rank_fault(engine, lambda: reshard.update_engine_weights(
+        engine, model, spec, groups, BUCKET_MB, share=False))
     return out
 
 
@@ -378,6 +394,10 @@ def _handoffs(folder, tied_folder, bench_folder):
         res[f"copied_tp{tp}"] = (spy.nbytes, _layout_copy_bytes(spec, groups, tp, engine.groups.tp_rank))
     res["exact_report"] = reshard.update_engine_weights(engine, model, spec, groups, BUCKET_MB, verify="exact")
     res["halves"] = _gate_up_by_halves(model, spec, groups, export)
+    one = _faulty_engine_class()(spec, 1)
+    one.victim = FAULTS["bit_flip"][0]
+    res["one_rank_fault"] = {verify: _one_rank_fault(one, lambda: reshard.update_engine_weights(
+        one, model, spec, groups, BUCKET_MB, verify=verify)) for verify in ("exact", "fingerprint")}
     res["faults"] = _faults(model, spec, groups)
     reshard.OVERLAP_ON = ("cpu", "cuda")  # the order CUDA runs (a read-back while the next collective moves), on gloo
     try:
@@ -448,6 +468,24 @@ def test_gate_up_gathered_by_halves_lands_in_place(runs):
         assert copied == by_hand, (res["rank"], copied, by_hand)
         assert by_hand < reordered  # each stage holds two layers' gate/up
         assert h["drop_error"] is not None and FAULTS["drop"][0] in h["drop_error"], h["drop_error"]
+
+
+@pytest.mark.distributed
+def test_a_fault_on_one_rank_fails_the_handoff_on_every_rank_of_its_replica(runs):
+    """A bit flipped in global rank 0's engine only: on the HF-bucket path (exact hash, TP 2 x PP 2: one
+    replica), the engine-layout path (fingerprint) and the direct path (TP 2, PP 1: ranks 0-1 and 2-3 are two
+    replicas), rank 0 names the tensor, its replica's other ranks fail too (they would otherwise wait in the
+    next collective), and the other replica passes."""
+    for res in runs:
+        errors = dict(res["one_rank_fault"], direct=res["direct"]["one_rank_fault"])
+        for path, error in errors.items():
+            victim = "model.layers.1.mlp.down_proj.weight" if path == "direct" else FAULTS["bit_flip"][0]
+            if res["rank"] == 0:
+                assert error is not None and victim in error, (path, error)
+            elif path == "direct" and res["rank"] >= 2:
+                assert error is None, (res["rank"], error)
+            else:
+                assert error is not None and "another rank" in error, (path, res["rank"], error)
 
 
 @pytest.mark.distributed

@@ -202,6 +202,22 @@ def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error) -> Non
                     f"was sent on another rank of the training replica")
 
 
+def agree_on_failure(error: Exception | None, groups, device, wrap) -> None:
+    """Every rank of the training replica (TP, PP and, with experts, EP peers: the handoff's collectives span
+    them) raises when any of them found a fault: its own error where it found one, else `wrap(message)`. One
+    all-reduce per group; a rank that raised alone would leave its peers in the next collective until timeout."""
+    flag = torch.tensor([error is not None], dtype=torch.int64, device=device)
+    for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp),
+                        (getattr(groups, "ep_group", None), getattr(groups, "ep", 1))):
+        if size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise wrap("the engine's stored weights differ from what was sent on another rank of the training "
+                   "replica (its error names the tensor)")
+
+
 def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
     """Sum the sources' digests over the training replica (non-holders gave zeros): over TP, then PP."""
     if groups.tp > 1:

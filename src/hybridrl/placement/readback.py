@@ -7,6 +7,8 @@ The shared path checks identity instead (`check_identity`: the engine reads the 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hybridrl.models import hf_convert as hc
@@ -16,6 +18,25 @@ from hybridrl.placement.fingerprint import weight_digests
 
 class HandoffError(RuntimeError):
     """The engine did not receive exactly what was sent."""
+
+
+class FirstFault:
+    """The first HandoffError of a stream whose collectives go on: raised at its end (`update_engine_weights`
+    then agrees on it over the replica), not where found, which would leave the peers in the next collective."""
+
+    def __init__(self):
+        self.error = None
+
+    @contextlib.contextmanager
+    def noted(self):
+        try:
+            yield
+        except HandoffError as e:
+            self.error = self.error or e
+
+    def raise_it(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def check_digests(names: list, ours: list, received: dict, mode: str) -> None:

@@ -28,8 +28,8 @@ from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight, weight_state
 from hybridrl.placement import engine_layout as el
 from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digests
-from hybridrl.placement.readback import (HandoffError, as_stored, check_digests, require_reported, shard_hf_parts,
-                                         stored_shard_error)
+from hybridrl.placement.readback import (FirstFault, HandoffError, as_stored, check_digests, require_reported,
+                                         shard_hf_parts, stored_shard_error)
 from hybridrl.placement.weight_sharing import (share_all, share_stage, shares_stage, shares_weights, source_tensor,
                                                takes_shards)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
@@ -298,19 +298,22 @@ def verify_bytes(spec: GPTSpec, tp: int, dtype: torch.dtype, mode: str) -> int:
 def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     to_mcore = hc.mcore_to_hf_name_map(spec)
+    fault = FirstFault()
     for bucket in iter_hf_weights(model, spec, groups, bucket_bytes):
         received = engine.load_weights(bucket, verify)
-        if verify != "off":
+        if verify != "off" and fault.error is None:
             names = [n for n, _ in bucket]
-            require_reported(names, received)
-            ours = weight_digests([as_stored(hf_region(t, received[n].region), received[n].dtype) for n, t in bucket],
-                                  verify)
-            check_digests(names, ours, received, verify)
+            with fault.noted():
+                require_reported(names, received)
+                ours = weight_digests([as_stored(hf_region(t, received[n].region), received[n].dtype)
+                                       for n, t in bucket], verify)
+                check_digests(names, ours, received, verify)
         n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
         total += sum(t.nbytes for _, t in bucket)
         owners = {to_mcore[n][0] for n, _ in bucket}
         max_bucket = max(max_bucket, sum(_full_bytes(g, spec, groups.tp, bucket[0][1].dtype) for g in owners))
         del bucket, received  # the generator refills the buffer for the next bucket
+    fault.raise_it()
     return n_tensors, n_buckets, total, max_bucket
 
 
@@ -355,7 +358,11 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     targets = engine.layout_targets([g for g in names if hc.owner_stage(g, spec, groups.pp) != groups.pp_rank]
                                     if share else names)
     # after layout_targets: it wakes the engine, whose stash a share would drop
-    stage = share_stage(engine, names, local, spec, groups, verifying) if share else set()
+    fault, stage = FirstFault(), set()
+    if share:
+        with fault.noted():
+            stage = share_stage(engine, names, local, spec, groups, verifying)
+        stage = stage or {g for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank}
     scratch = el.Scratch(dtype, sample_weight(model).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
@@ -376,10 +383,11 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         if verifying:
             summed = el.reduce_digests(sent[[row[g] for g in bucket]], groups)  # a copy: `sent` stays this rank's
             kept = [i for i, g in enumerate(bucket) if g not in stage]  # what this engine stored
-            if kept:
-                mine = [bucket[i] for i in kept]
+            mine = [bucket[i] for i in kept]
+            with fault.noted():
                 require_reported(mine, stored)
-                checks.append((mine, summed[kept, rr], stored.result(mine)))  # compared at the end, agreed
+                if kept:
+                    checks.append((mine, summed[kept, rr], stored.result(mine)))  # compared at the end, agreed
         return 1, max(max_bucket, held)
 
     for g in names:
@@ -425,7 +433,9 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         n_new, max_bucket = flush()
         n_buckets += n_new
     if verifying:
-        el.check_agreed(checks, names, spec, groups, HandoffError)
+        with fault.noted():  # collective: every rank runs it
+            el.check_agreed(checks, names, spec, groups, HandoffError)
+    fault.raise_it()
     return n_tensors, n_buckets, total, max_bucket
 
 
@@ -441,7 +451,9 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     tensors go into the engine's own layout (`_send_layout`; at PP > 1, with `share`, the engine reads this
     stage's own tensors themselves, `shares_stage`, and copies only the other stages'); otherwise buckets of
     HF tensors go to `engine.load_weights`. Either way the engine returns digests read back from its own parameters,
-    compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off).
+    compared with the sender's digests of the same slices (`verify`: fingerprint, exact or off). A fault found
+    on any rank fails the handoff on every rank of the replica (`engine_layout.agree_on_failure`, after the
+    stream's last collective), the finder naming the tensor.
     Collective over the training replica (every TP/PP rank calls it). `measure_memory` meters the
     peak of new allocations (`LiveTensorMeter`, slow: for tests and benchmarks) and, with CUDA, takes
     the allocator's peak statistics, which it resets: a caller's peak of its enclosing stage (the
@@ -463,9 +475,14 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
     send = share_all if shared else _send_shards if direct else _send_layout if layout else _send_buckets
     if stage_shared:
         send = functools.partial(_send_layout, share=True)
-    start = time.perf_counter()
+    start, fault = time.perf_counter(), None
     with LiveTensorMeter() if measure_memory else contextlib.nullcontext() as meter:
-        n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
+        try:
+            n_tensors, n_buckets, total, max_bucket = send(engine, model, spec, groups, bucket_bytes, verify)
+        except HandoffError as e:  # every path raises at its end, after its last collective
+            fault = e
+    if verify != "off":
+        el.agree_on_failure(fault, groups, sample_weight(model).device, HandoffError)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
