@@ -69,7 +69,7 @@ verl-reference: $(VERL_STAMP)
 # `make bench BENCHES="bench_reshard bench_memory"` runs some of them. 18 min on 2 cores from a fresh clone
 # (2026-12-06, side environments included).
 .PHONY: bench bench-envs
-BENCHES ?= bench_rollout bench_reshard bench_memory bench_grpo_vs_trl bench_ppo_vs_trl bench_split \
+BENCHES ?= bench_rollout bench_decode_width bench_reshard bench_memory bench_grpo_vs_trl bench_ppo_vs_trl bench_split \
 	bench_micro_batches profile_demo ablate_demo
 
 # $(1): the environment's folder, $(2): the TRL version it must hold
