@@ -93,6 +93,39 @@ def test_partial_rollout_flag_and_expert_widths_run_on_the_device():
         assert "different numbers of micro-batches (1 to 2)" in experts["mismatch"]
 
 
+def _handoff_verdicts():
+    """The handoff's two agreements on the device: `check_agreed` on a rank left with no check of its own (its
+    buckets' checks skipped once a fault was found) and `agree_on_failure` with a fault on rank 0 only."""
+    import types
+
+    import torch.distributed as dist
+
+    from virtual_device import VIRTUAL
+
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.placement import engine_layout as el
+    from hybridrl.placement.readback import HandoffError
+
+    rank = dist.get_rank()
+    groups = types.SimpleNamespace(tp=2, tp_group=dist.group.WORLD, pp=1, pp_group=None, ep=1, ep_group=None)
+    spec = GPTSpec(num_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, intermediate_size=6,
+                   vocab_size=8, max_position_embeddings=4)
+    el.check_agreed([], ["decoder.final_layernorm.weight"], spec, groups, HandoffError, VIRTUAL)
+    try:
+        el.agree_on_failure(HandoffError("rank 0's own") if rank == 0 else None, groups, VIRTUAL, HandoffError)
+        return None
+    except HandoffError as err:
+        return str(err)
+
+
+@pytest.mark.distributed
+def test_handoff_verdicts_are_agreed_on_the_device():
+    """A rank with nothing to compare still joins the digest verdict on the device (it was a host flag: nccl),
+    and a fault found on one rank fails the handoff on both, the finder with its own message."""
+    first, second = run_distributed(_handoff_verdicts, 2, on_virtual_device=True, timeout=120)
+    assert first == "rank 0's own" and "another rank" in second
+
+
 MOE = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2", "model.moe_intermediate_size=32"]
 
 

@@ -764,15 +764,18 @@ def test_shard_parts_are_the_slices_read_shard_takes():
 
 
 def test_lean_tp_merge_equals_hf_convert_merge(monkeypatch):
-    """reshard's merges in the reused buffers give hf_convert.merge_tp's layout for every split kind."""
+    """reshard's merges in the reused buffers give hf_convert.merge_tp's layout for every split kind, the gate/up
+    of an expert too (TE's grouped experts name theirs `linear_fc1.weight<e>`)."""
     from hybridrl.placement import reshard
     from hybridrl.models import hf_convert as hc
     from hybridrl.models.gpt import GPTSpec
 
     spec = GPTSpec(num_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, intermediate_size=6,
-                   vocab_size=8, max_position_embeddings=4)
+                   vocab_size=8, max_position_embeddings=4, num_experts=2, moe_intermediate_size=6, moe_topk=1)
     g = torch.Generator().manual_seed(0)
     for name, shape in (("decoder.layers.0.mlp.linear_fc1.weight", (6, 8)),
+                        ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", (6, 8)),
+                        ("decoder.layers.0.mlp.experts.linear_fc1.weight1", (6, 8)),  # TE's grouped experts
                         ("decoder.layers.0.self_attention.linear_qkv.weight", (12, 8)),
                         ("decoder.layers.0.mlp.linear_fc2.weight", (8, 3))):
         shards = [torch.randn(shape, generator=g) for _ in range(2)]

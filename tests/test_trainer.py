@@ -135,6 +135,23 @@ def test_val_only_validates_and_ends(tmp_path):
         load_config(TINY, ["trainer.val_only=true", "data.val_files=[]"])
 
 
+@pytest.mark.distributed
+def test_validation_with_an_empty_shard_under_a_wider_rollout_tp(tmp_path):
+    """Training TP 1 (DP 2) with rollout TP 2: the engine's TP group spans both DP ranks and decodes their prompts
+    as one batch. Validation's last batch holds one prompt (99 + 1 of 100), so rank 1's shard of it is empty: rank 1
+    must still join the engine's generation (it skipped it, and rank 0 waited for it until the timeout). Every
+    prompt is validated once, each response scored as world 1's greedy validation of the same prompts scores it."""
+    val = ["trainer.val_only=true", "trainer.val_before_train=true", "data.val_batch_size=99",
+           "rollout.val_kwargs.temperature=0", "trainer.dist_timeout_s=60"]
+    run_distributed(_train, 2, TINY, _overrides(tmp_path / "two", val + [
+        f"trainer.validation_data_dir={tmp_path}/two/val", "rollout.tensor_model_parallel_size=2"]), timeout=240)
+    run_distributed(_train, 1, TINY, _overrides(tmp_path / "one", val + [f"trainer.validation_data_dir={tmp_path}/one/val"]))
+    lines = {side: [json.loads(line) for line in (tmp_path / side / "val" / "0.jsonl").read_text().splitlines()]
+             for side in ("one", "two")}
+    assert len(lines["two"]) == len(lines["one"]) == 100
+    assert sorted((d["input"], d["score"]) for d in lines["two"]) == sorted((d["input"], d["score"]) for d in lines["one"])
+
+
 def _check_logged_generations(tmp_path, n):
     """verl's trainer.log_val_generations: n of the validation's (prompt, response, score), chosen as verl does
     (sorted by prompt, shuffled by RandomState(42)), as TensorBoard text at the validation's step."""

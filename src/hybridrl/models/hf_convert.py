@@ -314,7 +314,7 @@ def mcore_full_shape(global_name: str, spec: GPTSpec, tp: int = 1) -> tuple[int,
         return (d,)
     if expert_index(global_name) is not None:
         m_size = spec.moe_intermediate_size
-        return (2 * m_size, h) if _is_fc1(global_name) else (h, m_size)
+        return (2 * m_size, h) if is_fc1(global_name) else (h, m_size)
     suffix = {"linear_qkv.weight": (qkv, h), "linear_qkv.bias": (qkv,),
               "linear_proj.weight": (h, spec.num_attention_heads * d),
               "linear_fc1.weight": (2 * spec.intermediate_size, h),
@@ -327,14 +327,15 @@ def mcore_full_shape(global_name: str, spec: GPTSpec, tp: int = 1) -> tuple[int,
 
 # ---- TP split / merge ------------------------------------------------------------------------------
 
-def _is_fc1(name: str) -> bool:
+def is_fc1(name: str) -> bool:
+    """A gate/up weight ([gate; up] fused): a dense MLP's or an expert's, TE's grouped experts (`...weight<e>`) too."""
     return name.endswith("linear_fc1.weight") or (expert_index(name) is not None and "linear_fc1.weight" in name)
 
 
 @functools.lru_cache(maxsize=None)  # names and specs are few: every handoff asks again
 def tp_split_dim(name: str) -> int | None:
     """Dim a megatron tensor is partitioned along over TP (column-parallel 0, row-parallel 1), None: replicated."""
-    if is_vocab_tensor(name) or _is_fc1(name) or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+    if is_vocab_tensor(name) or is_fc1(name) or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")) or \
             (expert_index(name) is not None and "linear_fc2.weight" in name):
@@ -349,7 +350,7 @@ def split_for_tp(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.
         return full
     if full.shape[dim] % tp:
         raise ValueError(f"{name}: dim {dim} of shape {tuple(full.shape)} is not divisible by tp={tp}")
-    if _is_fc1(name):  # each rank holds [gate_shard; up_shard]
+    if is_fc1(name):  # each rank holds [gate_shard; up_shard]
         gate, up = unfuse_gate_up(full)
         return fuse_gate_up(gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank])
     return full.chunk(tp, dim=dim)[tp_rank]
@@ -360,7 +361,7 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     dim = tp_split_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if _is_fc1(name):
+    if is_fc1(name):
         halves = [unfuse_gate_up(s) for s in shards]
         return fuse_gate_up(torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves]))
     return torch.cat(shards, dim=dim)

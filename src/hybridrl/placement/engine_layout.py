@@ -39,7 +39,7 @@ def _spans(global_name: str, shape: tuple, spec: GPTSpec, tp: int, tp_rank: int)
         return [(0, n, (0, 0))]
     if dim == 1:
         return [(0, n, (0, tp_rank * shape[1]))]
-    if "linear_fc1.weight" in global_name:  # [gate_r; up_r] -> gate rows and up rows of the merged [gate; up]
+    if hc.is_fc1(global_name):  # [gate_r; up_r] -> gate rows and up rows of the merged [gate; up]
         half = n // 2
         return [(0, half, (tp_rank * half, 0)), (half, n, (tp * half + tp_rank * half, 0))]
     return [(0, n, (0, tp_rank * n) if len(shape) == 1 else (tp_rank * n, 0))]
@@ -173,9 +173,10 @@ class Scratch:
         return buf[:n].view(shape)
 
 
-def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error) -> None:
+def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error, device) -> None:
     """Each engine-read digest of every (names, sources' digests, the engine's) in `checks` equals the sum of the
-    sources' digests of that slice, the verdict agreed over the training replica (TP, then PP): each rank raises,
+    sources' digests of that slice, the verdict agreed over the training replica (TP, then PP; one all-reduce of
+    a flag on `device`): each rank raises,
     naming the first mismatching tensor in `order` (the same list on every rank) whichever rank found it. A rank
     that raised alone would leave the others in the next collective, and ranks do not all store the same tensors
     (`shares_stage`: a stage reads its own, copies the others')."""
@@ -189,7 +190,8 @@ def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error) -> Non
                           f"{theirs[i].item()} ({len(bad)} tensors differ in this bucket)")
             first = min(index[names[j]] for j in bad)
             break
-    flag = torch.tensor([first], dtype=torch.int64, device=checks[0][1].device if checks else "cpu")
+    flag = torch.tensor([first], dtype=torch.int64, device=device)  # the stream's device (nccl: a GPU) even
+    # with no check on this rank (every bucket's check skipped on a fault already found)
     for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp)):
         if size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)

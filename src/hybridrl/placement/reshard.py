@@ -64,12 +64,12 @@ collectives alone with halves, its small one none)."""
 def _gathers_halves(global_name: str, tp: int, shard_bytes: int) -> bool:
     """A gate/up shard [gate_r; up_r] gathered half by half: each half's rank-order concatenation is one
     contiguous half of the merged [gate_*; up_*]."""
-    return tp > 1 and global_name.endswith("linear_fc1.weight") and shard_bytes >= GATE_UP_HALVES_BYTES
+    return tp > 1 and hc.is_fc1(global_name) and shard_bytes >= GATE_UP_HALVES_BYTES
 
 
 def _reordered(global_name: str, tp: int, shard_bytes: int) -> bool:
     """TP shards gathered rank-major and reordered: row-parallel ones, and gate/up ones not gathered by halves."""
-    return tp > 1 and (hc.tp_split_dim(global_name) == 1 or global_name.endswith("linear_fc1.weight")
+    return tp > 1 and (hc.tp_split_dim(global_name) == 1 or hc.is_fc1(global_name)
                        and not _gathers_halves(global_name, tp, shard_bytes))
 
 
@@ -144,7 +144,7 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
     _overlapped(_all_gather_single, ranks, shard, group=groups.tp_group, while_waiting=while_waiting)
     ranks = ranks.view((tp,) + tuple(shard.shape))
     out = target(full_shape)
-    if global_name.endswith("linear_fc1.weight"):  # rank r holds [gate_r; up_r]: merged [gate_*; up_*]
+    if hc.is_fc1(global_name):  # rank r holds [gate_r; up_r]: merged [gate_*; up_*]
         out.view(2, tp, -1, *rest).copy_(ranks.view(tp, 2, -1, *rest).transpose(0, 1))
     else:  # row-parallel: rank r holds columns [r*c, (r+1)*c)
         out.view(shard.shape[0], tp, shard.shape[1]).copy_(ranks.transpose(0, 1))
@@ -434,7 +434,7 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         n_buckets += n_new
     if verifying:
         with fault.noted():  # collective: every rank runs it
-            el.check_agreed(checks, names, spec, groups, HandoffError)
+            el.check_agreed(checks, names, spec, groups, HandoffError, device)
     fault.raise_it()
     return n_tensors, n_buckets, total, max_bucket
 
@@ -483,6 +483,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
             fault = e
     if verify != "off":
         el.agree_on_failure(fault, groups, sample_weight(model).device, HandoffError)
+    elif fault is not None:
+        raise fault
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -467,9 +467,9 @@ class PPOTrainer:
         samples = []  # (data_source, prompt uid, {var: value}) per response, in this rank's order
         turns = []  # multi-turn: each response's model turns (rollout/num_turns' count)
         keep, dump = self.cfg.trainer.validation_data_dir or self.cfg.trainer.log_val_generations, []
+        # every rank joins each batch, its shard empty or not: the engine's TP group can span DP ranks (rollout TP
+        # > training TP) and decodes their prompts as one batch; split placement's requests are collective too
         for b, prompts in enumerate(val_loader):
-            if len(prompts) == 0 and self.remote is None:  # split: every rank joins each request
-                continue
             batch = self.generate(prompts, sampling, step=-1)
             if "num_turns" in batch:
                 turns += batch["num_turns"].tolist()
