@@ -108,3 +108,34 @@ def test_on_by_default_as_verl_unless_the_prompts_stream():
     assert balancing(load_config(tiny, []))
     assert not balancing(load_config(tiny, ["trainer.balance_batch=false"]))
     assert not balancing(load_config(tiny, ["async_training.stream_prompts=1"]))
+
+
+def _once_per_replica():
+    import types
+
+    import torch.distributed as dist
+
+    from hybridrl.trainer.step_batch import once_per_replica
+
+    rank = dist.get_rank()
+    groups = types.SimpleNamespace(replica_size=2, replica=dist.group.WORLD)
+    value = once_per_replica(lambda: ("rank", rank), groups)
+    errors = []
+    for fn in (lambda: 1 / 0, lambda: lambda: None):  # fn raises; its result does not pickle
+        try:
+            once_per_replica(fn, groups, LookupError)
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001 (the type is what is checked)
+            errors.append((type(err).__name__, str(err)))
+    return value, errors
+
+
+@pytest.mark.distributed
+def test_once_per_replica_runs_on_rank_0_and_fails_everywhere():
+    """`step_batch.once_per_replica` (the reward's path): rank 0's result on both ranks; when it raises or its
+    result cannot be sent, rank 0 raises that and its peer the given error naming it, instead of waiting."""
+    (first, first_errors), (second, second_errors) = run_distributed(_once_per_replica, 2, timeout=120)
+    assert first == second == ("rank", 0)
+    assert first_errors[0][0] == "ZeroDivisionError" and first_errors[1][0] in ("PicklingError", "AttributeError")
+    assert [e[0] for e in second_errors] == ["LookupError", "LookupError"]
+    assert "ZeroDivisionError" in second_errors[0][1] and "rank 0 of this model replica" in second_errors[0][1]

@@ -152,6 +152,29 @@ def test_validation_with_an_empty_shard_under_a_wider_rollout_tp(tmp_path):
     assert sorted((d["input"], d["score"]) for d in lines["two"]) == sorted((d["input"], d["score"]) for d in lines["one"])
 
 
+JUDGE = """import json, os, random
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps([os.getpid(), solution_str]) + "\\n")
+    return random.random()  # a judge that never repeats itself
+"""
+
+
+@pytest.mark.distributed
+def test_a_reward_is_computed_once_per_row_at_tp2(tmp_path):
+    """At training TP 2 the reward function runs on one rank of the model replica and its scores reach the other:
+    a judge that answers at random is asked once per response (it was asked by both TP ranks, which then trained
+    on different scores), and the step's logged score is the mean of the scores it gave."""
+    log, reward = tmp_path / "judged.jsonl", tmp_path / "judge.py"
+    reward.write_text(JUDGE.format(log=str(log)))
+    run_distributed(_train, 2, TINY, _overrides(tmp_path, [
+        "parallel.tensor_model_parallel_size=2", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
+        f"reward.custom_function.path={reward}"]))
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 4 * 2 and len({pid for pid, _ in calls}) == 1, calls  # 4 prompts x rollout.n 2
+
+
 def _check_logged_generations(tmp_path, n):
     """verl's trainer.log_val_generations: n of the validation's (prompt, response, score), chosen as verl does
     (sorted by prompt, shuffled by RandomState(42)), as TensorBoard text at the validation's step."""

@@ -25,7 +25,7 @@ from hybridrl.trainer.dynamic_sampling import sample_filtered
 from hybridrl.placement.offload import Offloader, PhaseOffload
 from hybridrl.metrics import StageTimer, batch_metrics, throughput_metrics
 from hybridrl.rewards.overlong import overlong_penalty
-from hybridrl.rewards.registry import combine_scores
+from hybridrl.rewards.registry import RewardError, combine_scores
 from hybridrl.rollout.agent_loop import (AgentLoop, trajectory_fields, trajectory_shapes, turn_metrics, turn_sums,
                                         verl_num_turns)
 from hybridrl.rollout.base import SamplingParams
@@ -35,7 +35,7 @@ from hybridrl.trainer.split_perf import StepShares
 from hybridrl.trainer.streamed import sample_streamed
 from hybridrl.trainer.balance import balance_batch, balancing
 from hybridrl.trainer.step_batch import (assemble, broadcast_rollout, gather_dp, gather_objects_dp, is_rollout_source,
-                                         local_slice, pad_columns, prompt_seeds, route_columns)
+                                         local_slice, once_per_replica, pad_columns, prompt_seeds, route_columns)
 from hybridrl.trainer.estimator_inputs import estimator_inputs, keep_reward_components
 from hybridrl.trainer.old_policy import old_policy_pass
 from hybridrl.trainer.validation import metrics_from_samples
@@ -316,7 +316,8 @@ class PPOTrainer:
             # count) and the engine's own scores (none here)
             extra = [{**info, "num_turns": turns, "rollout_reward_scores": {}}
                      for info, turns in zip(rep(prompts.extra_info), verl_num_turns(batch, real))]
-            rule, infos = self.reward_fn.score_batch(answers, rep(prompts.data_source), rep(prompts.ground_truth), extra)
+            rule, infos = once_per_replica(lambda: self.reward_fn.score_batch(  # once per row: a judge's verdict
+                answers, rep(prompts.data_source), rep(prompts.ground_truth), extra), self.groups, RewardError)
             rule = _finite(rule, "reward function").to(self.groups.device, torch.float32)
         raw = rule
         if rm is not None:

@@ -10,6 +10,7 @@ results do not depend on the DP size.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Dict
 
 import torch
@@ -71,6 +72,29 @@ def broadcast_rollout(tensors: Dict[str, torch.Tensor] | None, rows: int, width:
         dist.broadcast(t, group=groups.replica, group_src=0)
         out[key] = t
     return out
+
+
+def once_per_replica(fn, groups: ParallelGroups, error=RuntimeError):
+    """fn() on the model replica's rank 0 (the rollout source), its result (any picklable value) on every rank of
+    the replica: a reward function that calls out (a judge, a sandbox) or draws at random runs once per row, and
+    TP/PP peers train on the same scores. Where fn raises (or its result does not pickle), rank 0 raises that and
+    its peers `error` naming it, instead of waiting for a result that never comes."""
+    if groups.replica_size == 1:
+        return fn()
+    box, failure = [None], None
+    if dist.get_rank(group=groups.replica) == 0:
+        try:
+            box[0] = (True, fn())
+            pickle.dumps(box[0])  # a result that cannot travel fails here, not inside the broadcast
+        except Exception as err:
+            failure, box[0] = err, (False, f"{type(err).__name__}: {err}")
+    dist.broadcast_object_list(box, group=groups.replica, group_src=0)
+    ok, value = box[0]
+    if failure is not None:
+        raise failure
+    if not ok:
+        raise error(f"rank 0 of this model replica failed: {value}")
+    return value
 
 
 def gather_dp(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
