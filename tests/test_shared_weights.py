@@ -168,7 +168,34 @@ def _tp1_and_pp2() -> dict:
     other = NativeEngine(spec, 1)
     res["pp2"] = (reshard.update_engine_weights(other, stage, spec, groups, 1, share=False), other.own_weight_bytes())
     res.update(_pp2_stage_shared(stage, opt, spec, groups))
+    res["pp2_bf16"] = _pp2_bf16(spec, groups)
     return res
+
+
+def _pp2_bf16(spec, groups) -> dict:
+    """PP 2 in bf16 (the local spec's norms keep fp32 weights; stage 1 starts with one): every handoff path is the
+    same on both stages, and each engine's tensors equal the export (real vocabulary rows), in the trainer's
+    dtypes."""
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.placement import reshard
+    from hybridrl.rollout.native import NativeEngine
+
+    stage, _ = _actor(1, groups.pp_rank, "bfloat16", False, pp=2)
+    export = dict(mcore_to_hf_stream(stage, spec, groups))
+    reader = hc.DictReader(export)
+    out = {}
+    for key, tp, share, verify in (("stage_read", 1, True, "fingerprint"), ("copied", 1, False, "fingerprint"),
+                                   ("rollout_tp2", 2, True, "fingerprint"), ("hf_buckets", 1, False, "exact")):
+        engine = NativeEngine(spec, tp, dtype="bfloat16")
+        report = reshard.update_engine_weights(engine, stage, spec, groups, 1, verify=verify, share=share)
+        rows = lambda g, t: t[:spec.vocab_size] if hc.is_vocab_tensor(g) and tp == 1 else t  # noqa: E731 (the
+        # stage-read engine holds the actor's own padding rows: never decoded)
+        exact = [g for g in engine.params if not torch.equal(rows(g, engine.params[g]), rows(g, hc.read_shard(
+            g, reader, spec, tp, engine.groups.tp_rank).to(engine.params[g].dtype)))]
+        out[key] = (report.verified, report.stage_shared, report.engine_layout,
+                    {str(t.dtype) for t in engine.params.values()}, exact)
+    return out
 
 
 def _pp2_stage_shared(stage, opt, spec, groups) -> dict:
@@ -208,6 +235,21 @@ def _pp2_stage_shared(stage, opt, spec, groups) -> dict:
     except reshard.HandoffError as e:
         res["pp2_corrupt_error"] = (theirs, str(e))
     return res
+
+
+@pytest.mark.distributed
+def test_pp2_bf16_stages_take_the_same_path(runs):
+    """With fp32 norms in a bf16 model (the local spec's) both stages choose the same handoff (the second stage
+    chose HF buckets from its first parameter, a norm, while the first read its stage: they waited in different
+    collectives), and a stage receives the other's norms as fp32 (the HF export, the buckets, the layout path's
+    scratch all received them into bf16 buffers: the export broke on it)."""
+    for res in runs:
+        paths = res["pp2_bf16"]
+        assert paths["stage_read"][:3] == (True, True, True) and paths["copied"][:3] == (True, False, True), paths
+        assert paths["rollout_tp2"][:3] == (True, False, True), paths  # an fp32 norm through the bf16 scratch
+        assert paths["hf_buckets"][:3] == (True, False, False), paths  # an fp32 norm beside the bf16 bucket
+        for key, (_, _, _, dtypes, exact) in paths.items():
+            assert dtypes == {"torch.bfloat16", "torch.float32"} and not exact, (key, dtypes, exact)
 
 
 def _run(folder):

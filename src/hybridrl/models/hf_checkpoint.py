@@ -101,9 +101,13 @@ def unwrap_model(model):
 
 
 def sample_weight(model) -> torch.Tensor:
-    """One of the model's weights (the first parameter), for what every weight shares (dtype, device): without
-    building a state dict, which walks every module (a handoff asked four times)."""
-    return next(unwrap_model(model).parameters())
+    """One of the model's weight matrices (its first parameter of two or more dims: the embedding or a linear),
+    for what they share (dtype, device), without building a state dict, which walks every module (a handoff asks
+    four times). Not any first parameter: the local spec's norms keep fp32 weights in a bf16 model, and a pipeline
+    stage without the embedding starts with one (its stages would disagree on the model's dtype)."""
+    params = unwrap_model(model).parameters()
+    first = next(params)
+    return next((p for p in params if p.dim() >= 2), first) if first.dim() < 2 else first
 
 
 def weight_state(model) -> dict[str, torch.Tensor]:
@@ -179,14 +183,14 @@ def mcore_to_hf_stream(model, spec: GPTSpec, groups, head: str = "lm") -> Iterat
     Tied embeddings yield no lm_head.weight (the last stage's copy is a duplicate of the embedding).
     """
     local = global_weight_state(model, spec, groups)
-    sample = next(iter(local.values()))
+    sample = sample_weight(model)
     for global_name in hc.hf_to_mcore_name_map(spec, head):
         owner = hc.owner_stage(global_name, spec, groups.pp)
         if groups.pp_rank == owner:
             full = _gather_tp(global_name, _from_ep_owner(global_name, local, spec, groups, sample), groups)
         else:  # on the model's device: the broadcast below runs on nccl with CUDA
-            full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), dtype=sample.dtype,
-                               device=sample.device)
+            full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp),
+                               dtype=hc.held_dtype(global_name, spec, sample.dtype), device=sample.device)
         if groups.pp > 1:
             full = full.contiguous()
             dist.broadcast(full, group=groups.pp_group, group_src=owner)

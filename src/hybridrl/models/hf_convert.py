@@ -325,6 +325,13 @@ def mcore_full_shape(global_name: str, spec: GPTSpec, tp: int = 1) -> tuple[int,
     return (h,)  # the RMSNorm weights
 
 
+def held_dtype(global_name: str, spec: GPTSpec, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a megatron tensor is held in, in a model of `dtype` built with `spec`'s layer spec: the local
+    spec's norms are torch RMSNorms whose fp32 weights nothing casts (no Float16Module here); every other tensor,
+    and Transformer Engine's norms, `dtype`. What a pipeline stage receives a tensor it does not hold into."""
+    return torch.float32 if spec.layer_spec != "te" and global_name.endswith("layernorm.weight") else dtype
+
+
 # ---- TP split / merge ------------------------------------------------------------------------------
 
 def is_fc1(name: str) -> bool:

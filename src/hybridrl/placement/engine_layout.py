@@ -152,25 +152,26 @@ def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bo
 
 class Scratch:
     """Reused full-tensor buffers: `scratch` for a gather to reorder (rank-major), `full` for a merged
-    tensor the engine takes its slice of (rollout TP > 1 or another vocabulary padding)."""
+    tensor the engine takes its slice of (rollout TP > 1 or another vocabulary padding). Bytes, viewed as the
+    tensor's dtype (the model's, or fp32 for the local spec's norms in a bf16 model)."""
 
     def __init__(self, dtype, device):
         self.dtype, self.device, self._bufs = dtype, device, {}
 
     def scratch(self, shape) -> torch.Tensor:
-        return self._get("scratch", shape)
+        return self._get("scratch", shape, self.dtype)
 
-    def full(self, shape) -> torch.Tensor:
-        return self._get("full", shape)
+    def full(self, shape, dtype=None) -> torch.Tensor:
+        return self._get("full", shape, dtype or self.dtype)
 
-    def _get(self, which: str, shape) -> torch.Tensor:
-        n = torch.Size(shape).numel()
+    def _get(self, which: str, shape, dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel() * dtype.itemsize
         buf = self._bufs.get(which)
         if buf is None or buf.numel() < n:
             del buf
             self._bufs.pop(which, None)  # the smaller buffer goes before the larger one comes
-            buf = self._bufs[which] = torch.empty(n, dtype=self.dtype, device=self.device)
-        return buf[:n].view(shape)
+            buf = self._bufs[which] = torch.empty(n, dtype=torch.uint8, device=self.device)
+        return buf[:n].view(dtype).view(shape)
 
 
 def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error, device) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -28,6 +27,7 @@ from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight, weight_state
 from hybridrl.placement import engine_layout as el
 from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digests
+from hybridrl.placement.handoff_report import HandoffReport
 from hybridrl.placement.readback import (FirstFault, HandoffError, as_stored, check_digests, require_reported,
                                          shard_hf_parts, stored_shard_error)
 from hybridrl.placement.weight_sharing import (share_all, share_stage, shares_stage, shares_weights, source_tensor,
@@ -160,6 +160,9 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
     expert_owner = hc.owner_ep_rank(global_name, spec, groups.ep) if groups.ep > 1 else None
     if groups.pp_rank == owner and expert_owner in (None, groups.ep_rank):
         full = _gather_tp(global_name, source_tensor(local, global_name), groups, staging, target)
+    elif hc.held_dtype(global_name, spec, staging.dtype) != staging.dtype:  # a local spec's fp32 norm: small
+        full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), device=staging.device,
+                           dtype=hc.held_dtype(global_name, spec, staging.dtype))
     else:
         full = target(hc.mcore_full_shape(global_name, spec, groups.tp))
     if expert_owner is not None and groups.pp_rank == owner and not own:  # from the EP rank holding it
@@ -189,7 +192,7 @@ def iter_hf_weights(model, spec: GPTSpec, groups, bucket_bytes: int, own: list |
     consume each bucket before asking for the next, and before the next optimizer step.
     """
     local = global_weight_state(model, spec, groups)
-    sample = next(iter(local.values()))
+    sample = sample_weight(model)
     names = list(hc.hf_to_mcore_name_map(spec)) if own is None else own
     staging = _Staging(names, spec, groups.tp, bucket_bytes, sample.dtype, sample.device)
     bucket, held = [], 0
@@ -220,57 +223,6 @@ def iter_shards(model, spec: GPTSpec, bucket_bytes: int) -> Iterator[list[tuple[
 
 
 # ---- the verified handoff --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class HandoffReport:
-    num_tensors: int
-    """HF tensors handed over."""
-    num_buckets: int
-    total_bytes: int
-    """Bytes of all HF tensors handed over (full tensors; this rank's shards on the direct path)."""
-    bucket_bytes: int
-    """The bucket size asked for."""
-    max_bucket_bytes: int
-    """Largest bucket sent (full megatron sizes; > bucket_bytes only for a single oversized tensor)."""
-    largest_tensor_bytes: int
-    """Largest full (TP-merged, vocab-padded) megatron tensor."""
-    peak_extra_bytes: int | None
-    """Most bytes of new tensor storage alive at once during the handoff (LiveTensorMeter), when measured."""
-    peak_cuda_extra_bytes: int
-    """Same from the CUDA allocator's peak statistics, when measured (measure_memory on CUDA); else 0."""
-    seconds: float
-    verify: str
-    """rollout.verify_weights: fingerprint, exact or off."""
-    direct: bool
-    """Shards went straight into the engine's parameters (training TP == rollout TP, PP 1)."""
-    verify_bytes: int = 0
-    """Most the check allocates beside the bucket and the scratch (`verify_bytes`); 0 with verify off."""
-    shared: bool = False
-    """The engine reads the training tensors themselves (`shares_weights`): nothing copied (total_bytes 0),
-    identity checked (verify "identity")."""
-    engine_layout: bool = False
-    """Sent in the engine's own megatron layout (`_send_layout`): no HF tensor, one digest per source shard."""
-    stage_shared: bool = False
-    """The engine reads this pipeline stage's own training tensors (`shares_stage`, identity checked) and holds
-    copies of the other stages' layers only (copied and verified; total_bytes counts those)."""
-
-    @property
-    def verified(self) -> bool:
-        """The engine's read-back digests agreed with the sender's for every tensor."""
-        return self.verify != "off"
-
-    @property
-    def peak_bound_bytes(self) -> int:
-        """What the stream promises: one (largest) bucket, the working set of the largest tensor and
-        what the check allocates (the bucket and the scratch can fill the first two exactly)."""
-        return max(self.bucket_bytes, self.max_bucket_bytes) + self.largest_tensor_bytes + self.verify_bytes
-
-    def metrics(self, prefix: str = "perf/weight_sync") -> dict:
-        out = {f"{prefix}_s": self.seconds, f"{prefix}_bytes": self.total_bytes, f"{prefix}_buckets": self.num_buckets}
-        if self.peak_extra_bytes is not None:
-            out[f"{prefix}_peak_extra_bytes"] = self.peak_extra_bytes
-        return out
-
 
 def verify_bytes(spec: GPTSpec, tp: int, dtype: torch.dtype, mode: str) -> int:
     """An upper bound of what checking the handoff allocates beside the bucket and the scratch.
@@ -397,7 +349,8 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
             n_buckets, bucket, held, stored = n_buckets + n_new, [], 0, Fingerprints(device)
         param, full_shape = targets.get(g), hc.mcore_full_shape(g, spec, groups.tp)
         direct = param is not None and rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
-        into = (lambda shape, p=param: p) if direct else scratch.full
+        into = (lambda shape, p=param: p) if direct else \
+            functools.partial(scratch.full, dtype=dtype if param is None else param.dtype)
         owner = hc.owner_stage(g, spec, groups.pp)
         shard = source_tensor(local, g) if groups.pp_rank == owner else None
         meanwhile = read_back if overlap else None  # touches nothing the collective writes
