@@ -250,7 +250,7 @@ def test_reward_functions_get_verls_turn_count_in_extra_info(tmp_path):
     cfg = SimpleNamespace(reward_model=SimpleNamespace(combine="replace"),
                           reward=SimpleNamespace(overlong_buffer=SimpleNamespace(enable=False)))
     trainer = SimpleNamespace(tok=TOK, roles=SimpleNamespace(reward_model=None), cfg=cfg, reward_fn=manager,
-                              groups=SimpleNamespace(device=torch.device("cpu")))
+                              groups=SimpleNamespace(device=torch.device("cpu"), replica_size=1))
     rows = SimpleNamespace(data_source=["tools"] * 4, ground_truth=["2", "6", "20", "42"],
                            extra_info=[{"index": i} for i in range(4)])
     PPOTrainer.score_details(trainer, batch, rows, 1)
