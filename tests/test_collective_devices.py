@@ -76,15 +76,21 @@ def _expert_widths():
     return dict(widths=widths, mismatch=mismatch)
 
 
-def _both():
-    return _partial_rollout_flag(), _expert_widths()
+def _pieces():
+    return _partial_rollout_flag(), _expert_widths(), _handoff_verdicts()
+
+
+@pytest.fixture(scope="module")
+def pieces():
+    """One launch on the emulated accelerator for the small pieces below."""
+    return run_distributed(_pieces, 2, on_virtual_device=True, timeout=120)
 
 
 @pytest.mark.distributed
-def test_partial_rollout_flag_and_expert_widths_run_on_the_device():
+def test_partial_rollout_flag_and_expert_widths_run_on_the_device(pieces):
     """The partial-rollout flag is agreed on the rollout world's device and the leader reads the store every
     4th decode step only; expert-parallel widths are agreed on the device (both were host tensors: nccl)."""
-    results = run_distributed(_both, 2, on_virtual_device=True, timeout=120)
+    results = [(partial, experts) for partial, experts, _ in pieces]
     for partial, _ in results:
         assert partial["took"] == [8] and partial["version"] == 7 and partial["taken"] == 1
     assert results[0][0]["reads"] == 3  # steps 4, 8, 12 of 12
@@ -119,10 +125,10 @@ def _handoff_verdicts():
 
 
 @pytest.mark.distributed
-def test_handoff_verdicts_are_agreed_on_the_device():
+def test_handoff_verdicts_are_agreed_on_the_device(pieces):
     """A rank with nothing to compare still joins the digest verdict on the device (it was a host flag: nccl),
     and a fault found on one rank fails the handoff on both, the finder with its own message."""
-    first, second = run_distributed(_handoff_verdicts, 2, on_virtual_device=True, timeout=120)
+    first, second = (verdict for _, _, verdict in pieces)
     assert first == "rank 0's own" and "another rank" in second
 
 
