@@ -100,14 +100,15 @@ def test_partial_rollout_flag_and_expert_widths_run_on_the_device(pieces):
 
 
 def _handoff_verdicts():
-    """The handoff's two agreements on the device: `check_agreed` on a rank left with no check of its own (its
-    buckets' checks skipped once a fault was found) and `agree_on_failure` with a fault on rank 0 only."""
+    """The handoff's agreement on the device (`agree_on_failure`): nothing found on any rank; a fault on rank 0
+    only, unnamed; a digest mismatch on rank 0 only, naming its tensor."""
     import types
 
     import torch.distributed as dist
 
     from virtual_device import VIRTUAL
 
+    from hybridrl.models import hf_convert as hc
     from hybridrl.models.gpt import GPTSpec
     from hybridrl.placement import engine_layout as el
     from hybridrl.placement.readback import HandoffError
@@ -116,20 +117,26 @@ def _handoff_verdicts():
     groups = types.SimpleNamespace(tp=2, tp_group=dist.group.WORLD, pp=1, pp_group=None, ep=1, ep_group=None)
     spec = GPTSpec(num_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, intermediate_size=6,
                    vocab_size=8, max_position_embeddings=4)
-    el.check_agreed([], ["decoder.final_layernorm.weight"], spec, groups, HandoffError, VIRTUAL)
-    try:
-        el.agree_on_failure(HandoffError("rank 0's own") if rank == 0 else None, groups, VIRTUAL, HandoffError)
-        return None
-    except HandoffError as err:
-        return str(err)
+    order = list(hc.hf_to_mcore_name_map(spec))
+    el.agree_on_failure(None, groups, VIRTUAL, HandoffError, order, spec)
+    out = []
+    for error in (HandoffError("rank 0's own"), HandoffError("rank 0's digest", order[2])):
+        try:
+            el.agree_on_failure(error if rank == 0 else None, groups, VIRTUAL, HandoffError, order, spec)
+            out.append(None)
+        except HandoffError as err:
+            out.append(str(err))
+    return out, order[2]
 
 
 @pytest.mark.distributed
 def test_handoff_verdicts_are_agreed_on_the_device(pieces):
-    """A rank with nothing to compare still joins the digest verdict on the device (it was a host flag: nccl),
-    and a fault found on one rank fails the handoff on both, the finder with its own message."""
-    first, second = (verdict for _, _, verdict in pieces)
-    assert first == "rank 0's own" and "another rank" in second
+    """A rank with nothing found still joins the verdict on the device (it was a host flag: nccl), and a fault
+    found on one rank fails the handoff on both, the finder with its own message, its peer naming the tensor
+    where the finder's error names one."""
+    (first, victim), (second, _) = (verdict for _, _, verdict in pieces)
+    assert first == ["rank 0's own", "rank 0's digest"] and all("another rank" in e for e in second)
+    assert victim in second[1] and victim not in second[0]
 
 
 MOE = ["model.architecture=qwen3_moe", "model.num_experts=4", "model.moe_topk=2", "model.moe_intermediate_size=32"]

@@ -107,7 +107,7 @@ def sample_weight(model) -> torch.Tensor:
     stage without the embedding starts with one (its stages would disagree on the model's dtype)."""
     params = unwrap_model(model).parameters()
     first = next(params)
-    return next((p for p in params if p.dim() >= 2), first) if first.dim() < 2 else first
+    return first if first.dim() >= 2 else next((p for p in params if p.dim() >= 2), first)
 
 
 def weight_state(model) -> dict[str, torch.Tensor]:

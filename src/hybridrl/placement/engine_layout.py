@@ -174,51 +174,42 @@ class Scratch:
         return buf[:n].view(dtype).view(shape)
 
 
-def check_agreed(checks: list, order: list, spec: GPTSpec, groups, error, device) -> None:
-    """Each engine-read digest of every (names, sources' digests, the engine's) in `checks` equals the sum of the
-    sources' digests of that slice, the verdict agreed over the training replica (TP, then PP; one all-reduce of
-    a flag on `device`): each rank raises,
-    naming the first mismatching tensor in `order` (the same list on every rank) whichever rank found it. A rank
-    that raised alone would leave the others in the next collective, and ranks do not all store the same tensors
-    (`shares_stage`: a stage reads its own, copies the others')."""
-    first, found, index = len(order), None, {g: i for i, g in enumerate(order)}
+def raise_first_mismatch(checks: list, spec: GPTSpec, error) -> None:
+    """Raise `error` naming the first tensor (in stream order) whose engine-read digest differs from the sum of
+    the sources' digests of its slice, for (names, sources' digests, the engine's) per bucket in `checks`: one host
+    sync per bucket. On this rank only: `agree_on_failure` then gives the verdict to the replica."""
     for names, sent, theirs in checks:
-        bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()  # one host sync per bucket
+        bad = (sent != theirs.to(sent.device)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]
-            found = error(f"engine's stored copy of {names[i]!r} (HF {', '.join(hc.hf_sources(names[i], spec))}) "
-                          f"differs from what was sent: fingerprint sent {sent[i].item()}, read back "
-                          f"{theirs[i].item()} ({len(bad)} tensors differ in this bucket)")
-            first = min(index[names[j]] for j in bad)
-            break
-    flag = torch.tensor([first], dtype=torch.int64, device=device)  # the stream's device (nccl: a GPU) even
-    # with no check on this rank (every bucket's check skipped on a fault already found)
-    for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp)):
+            raise error(f"engine's stored copy of {names[i]!r} (HF {', '.join(hc.hf_sources(names[i], spec))}) "
+                        f"differs from what was sent: fingerprint sent {sent[i].item()}, read back "
+                        f"{theirs[i].item()} ({len(bad)} tensors differ in this bucket)", names[i])
+
+
+def agree_on_failure(error: Exception | None, groups, device, wrap, order: list, spec: GPTSpec) -> None:
+    """Every rank of the training replica (TP, PP and, with experts, EP peers: the handoff's collectives span
+    them) raises when any of them found a fault: its own error where it found one, else `wrap(message)`, naming
+    the tensor where a rank's error names one (`HandoffError.tensor`; the first in `order`, the same list on every
+    rank, whichever rank found it). One all-reduce of a flag on `device` (the stream's: nccl wants a GPU) per
+    group; a rank that raised alone would leave its peers in the next collective until timeout, and ranks do not
+    all store the same tensors (`shares_stage`: a stage reads its own, copies the others')."""
+    unnamed, none = len(order), len(order) + 1
+    code = none if error is None else {g: i for i, g in enumerate(order)}.get(getattr(error, "tensor", None), unnamed)
+    flag = torch.tensor([code], dtype=torch.int64, device=device)
+    for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp), (groups.ep_group, groups.ep)):
         if size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    first = int(flag.item())
-    if found is not None:
-        raise found
-    if first < len(order):
-        name = order[first]
-        raise error(f"engine's stored copy of {name!r} (HF {', '.join(hc.hf_sources(name, spec))}) differs from what "
-                    f"was sent on another rank of the training replica")
-
-
-def agree_on_failure(error: Exception | None, groups, device, wrap) -> None:
-    """Every rank of the training replica (TP, PP and, with experts, EP peers: the handoff's collectives span
-    them) raises when any of them found a fault: its own error where it found one, else `wrap(message)`. One
-    all-reduce per group; a rank that raised alone would leave its peers in the next collective until timeout."""
-    flag = torch.tensor([error is not None], dtype=torch.int64, device=device)
-    for group, size in ((groups.tp_group, groups.tp), (groups.pp_group, groups.pp),
-                        (getattr(groups, "ep_group", None), getattr(groups, "ep", 1))):
-        if size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
         raise error
-    if flag.item():
-        raise wrap("the engine's stored weights differ from what was sent on another rank of the training "
-                   "replica (its error names the tensor)")
+    code = int(flag.item())
+    if code < unnamed:
+        name = order[code]
+        raise wrap(f"engine's stored copy of {name!r} (HF {', '.join(hc.hf_sources(name, spec))}) differs from what "
+                   f"was sent on another rank of the training replica", name)
+    if code == unnamed:
+        raise wrap("the engine's stored weights differ from what was sent on another rank of the training replica "
+                   "(its error names the tensor)")
 
 
 def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:

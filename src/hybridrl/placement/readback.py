@@ -17,7 +17,12 @@ from hybridrl.placement.fingerprint import weight_digests
 
 
 class HandoffError(RuntimeError):
-    """The engine did not receive exactly what was sent."""
+    """The engine did not receive exactly what was sent; `tensor`: the megatron name of the tensor that differs,
+    where known (the other ranks of the replica name it too, `engine_layout.agree_on_failure`)."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class FirstFault:

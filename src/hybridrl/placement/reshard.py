@@ -131,14 +131,15 @@ def _gather_tp(global_name: str, shard: torch.Tensor, groups, staging: _Staging,
     tp, rest = groups.tp, tuple(shard.shape[1:])
     full_shape = (tp * shard.shape[0],) + rest if hc.tp_split_dim(global_name) == 0 else \
         (shard.shape[0], tp * shard.shape[1])
-    if not _reordered(global_name, tp, shard.nbytes):  # rank order along dim 0 is the merged layout
+    if _gathers_halves(global_name, tp, shard.nbytes):  # [gate_r; up_r] -> [gate_*; up_*], half by half
         out = target(full_shape)
-        if not _gathers_halves(global_name, tp, shard.nbytes):
-            _overlapped(_all_gather_single, out, shard, group=groups.tp_group, while_waiting=while_waiting)
-            return out
-        halves, merged = shard.view(2, -1, *rest), out.view(2, -1, *rest)  # [gate_r; up_r] -> [gate_*; up_*]
+        halves, merged = shard.view(2, -1, *rest), out.view(2, -1, *rest)
         _overlapped(_all_gather_single, merged[0], halves[0], group=groups.tp_group, while_waiting=while_waiting)
         _all_gather_single(merged[1], halves[1], group=groups.tp_group)
+        return out
+    if not _reordered(global_name, tp, shard.nbytes):  # rank order along dim 0 is the merged layout
+        out = target(full_shape)
+        _overlapped(_all_gather_single, out, shard, group=groups.tp_group, while_waiting=while_waiting)
         return out
     ranks = staging.scratch((tp * shard.shape[0],) + rest)  # gloo wants the concatenated shape
     _overlapped(_all_gather_single, ranks, shard, group=groups.tp_group, while_waiting=while_waiting)
@@ -160,11 +161,9 @@ def _hf_parts(global_name: str, local: dict, spec: GPTSpec, groups, staging: _St
     expert_owner = hc.owner_ep_rank(global_name, spec, groups.ep) if groups.ep > 1 else None
     if groups.pp_rank == owner and expert_owner in (None, groups.ep_rank):
         full = _gather_tp(global_name, source_tensor(local, global_name), groups, staging, target)
-    elif hc.held_dtype(global_name, spec, staging.dtype) != staging.dtype:  # a local spec's fp32 norm: small
-        full = torch.empty(hc.mcore_full_shape(global_name, spec, groups.tp), device=staging.device,
-                           dtype=hc.held_dtype(global_name, spec, staging.dtype))
-    else:
-        full = target(hc.mcore_full_shape(global_name, spec, groups.tp))
+    else:  # received: a local spec's fp32 norm (small) beside the bucket, the rest in it
+        held, shape = hc.held_dtype(global_name, spec, staging.dtype), hc.mcore_full_shape(global_name, spec, groups.tp)
+        full = target(shape) if held == staging.dtype else torch.empty(shape, dtype=held, device=staging.device)
     if expert_owner is not None and groups.pp_rank == owner and not own:  # from the EP rank holding it
         full = full.contiguous()
         dist.broadcast(full, group=groups.ep_group, group_src=expert_owner)
@@ -307,14 +306,12 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     local = global_weight_state(model, spec, groups)
     names = list(hc.hf_to_mcore_name_map(spec))
     verifying = verify != "off"
-    targets = engine.layout_targets([g for g in names if hc.owner_stage(g, spec, groups.pp) != groups.pp_rank]
-                                    if share else names)
-    # after layout_targets: it wakes the engine, whose stash a share would drop
-    fault, stage = FirstFault(), set()
-    if share:
+    stage = {g for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank} if share else set()
+    targets = engine.layout_targets([g for g in names if g not in stage])
+    fault = FirstFault()
+    if share:  # after layout_targets: it wakes the engine, whose stash a share would drop
         with fault.noted():
-            stage = share_stage(engine, names, local, spec, groups, verifying)
-        stage = stage or {g for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank}
+            share_stage(engine, stage, local, verifying)
     scratch = el.Scratch(dtype, sample_weight(model).device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
@@ -385,9 +382,8 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     if bucket:
         n_new, max_bucket = flush()
         n_buckets += n_new
-    if verifying:
-        with fault.noted():  # collective: every rank runs it
-            el.check_agreed(checks, names, spec, groups, HandoffError, device)
+    with fault.noted():
+        el.raise_first_mismatch(checks, spec, HandoffError)
     fault.raise_it()
     return n_tensors, n_buckets, total, max_bucket
 
@@ -435,7 +431,8 @@ def update_engine_weights(engine, model, spec: GPTSpec, groups, bucket_mb: float
         except HandoffError as e:  # every path raises at its end, after its last collective
             fault = e
     if verify != "off":
-        el.agree_on_failure(fault, groups, sample_weight(model).device, HandoffError)
+        el.agree_on_failure(fault, groups, sample_weight(model).device, HandoffError,
+                            list(hc.hf_to_mcore_name_map(spec)), spec)
     elif fault is not None:
         raise fault
     if cuda:

@@ -28,12 +28,10 @@ def shares_stage(engine, model, groups) -> bool:
     return groups.pp > 1 and _reads_in_place(engine, model) and _same_shards(engine, model, groups)
 
 
-def share_stage(engine, names: list, local: dict, spec: GPTSpec, groups, verifying: bool) -> set:
-    """The names of this stage's own tensors, now read by the engine from the training tensors (identity
+def share_stage(engine, own, local: dict, verifying: bool) -> None:
+    """The engine reads this stage's own tensors (`own`, global names) from the training tensors (identity
     checked, as `share_all`)."""
-    shards = [(g, source_tensor(local, g)) for g in names if hc.owner_stage(g, spec, groups.pp) == groups.pp_rank]
-    _adopt(engine, shards, verifying)
-    return {g for g, _ in shards}
+    _adopt(engine, [(g, source_tensor(local, g)) for g in own], verifying)
 
 
 def share_all(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify: str) -> tuple:

@@ -82,7 +82,7 @@ def once_per_replica(fn, groups: ParallelGroups, error=RuntimeError):
     if groups.replica_size == 1:
         return fn()
     box, failure = [None], None
-    if dist.get_rank(group=groups.replica) == 0:
+    if is_rollout_source(groups):
         try:
             box[0] = (True, fn())
             pickle.dumps(box[0])  # a result that cannot travel fails here, not inside the broadcast
