@@ -5,8 +5,8 @@ A megatron tensor's shard at (tp, rank) covers pieces of the merged tensor (`pie
 column-parallel tensors, two for gate/up, column bands for row-parallel ones; vocabulary padding left
 out). The position-weighted fingerprint is linear over pieces placed at their origin
 (`fingerprint.weight_fingerprint`), so each training rank digests its own shard once, split by the
-rollout ranks' pieces, before the first tensor moves; the sums over the replica (per bucket, one all-reduce
-over TP, one over PP) are what each rollout rank must have stored; its engine digests its parameter where it
+rollout ranks' pieces, before the first tensor moves; the sums over the replica (one all-reduce over TP x PP,
+started before the first tensor moves: `start_digest_sum`) are what each rollout rank must have stored; its engine digests its parameter where it
 holds it. The sender digests all its shards as one `Fingerprints` batch, the engine a bucket's tensors as one
 (a few ops per batch, not per tensor).
 Nothing is converted to HF names: QKV stays fused, gate/up stays fused; a row-parallel tensor (and a small
@@ -212,10 +212,10 @@ def agree_on_failure(error: Exception | None, groups, device, wrap, order: list,
                    "(its error names the tensor)")
 
 
-def reduce_digests(digests: torch.Tensor, groups) -> torch.Tensor:
-    """Sum the sources' digests over the training replica (non-holders gave zeros): over TP, then PP."""
-    if groups.tp > 1:
-        dist.all_reduce(digests, group=groups.tp_group)
-    if groups.pp > 1:
-        dist.all_reduce(digests, group=groups.pp_group)
-    return digests
+def start_digest_sum(digests: torch.Tensor, groups):
+    """Start summing the sources' digests over the training replica (non-holders gave zeros), in place: one
+    all-reduce over TP x PP, started before the first tensor moves and waited for at the first check, so its
+    latency and the ranks' skew hide behind the stream. Returns the work to wait on (None: nothing to sum)."""
+    group = (groups.mp_group if groups.tp > 1 and groups.pp > 1 else groups.tp_group if groups.tp > 1
+             else groups.pp_group if groups.pp > 1 else None)
+    return None if group is None else dist.all_reduce(digests, group=group, async_op=True)

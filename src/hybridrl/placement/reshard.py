@@ -317,6 +317,7 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     device = scratch.device
     overlap = device.type in OVERLAP_ON
     sent = _source_digests(names, local, spec, groups, rt, device) if verifying else None
+    summing = el.start_digest_sum(sent, groups) if verifying else None  # `sent` becomes the replica's sums
     row = {g: i for i, g in enumerate(names)}
     bucket, stored, held = [], Fingerprints(device), 0
     pending = []  # written, not yet read back: on CUDA the engine reads a tensor back while the next one moves
@@ -328,9 +329,12 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         pending.clear()
 
     def flush():
+        nonlocal summing
         read_back()
         if verifying:
-            summed = el.reduce_digests(sent[[row[g] for g in bucket]], groups)  # a copy: `sent` stays this rank's
+            if summing is not None:
+                summing, _ = None, summing.wait()
+            summed = sent[[row[g] for g in bucket]]
             kept = [i for i, g in enumerate(bucket) if g not in stage]  # what this engine stored
             mine = [bucket[i] for i in kept]
             with fault.noted():
