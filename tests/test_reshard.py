@@ -530,7 +530,7 @@ def test_a_stage_stream_carries_its_own_tensors_alone(runs):
         names = [n for b in buckets for n, _ in b]
         assert names == [n for n in res["export"] if _stage_by_hand(n, spec.num_layers, 2) == stage], (stage, names)
         assert all(torch.equal(t, res["export"][n]) for b in buckets for n, t in b)
-        assert [[(n, tuple(t.shape)) for n, t in b] for b in buckets] == plan and len(plan) > 1
+        assert [[(n, tuple(t.shape), str(t.dtype)) for n, t in b] for b in buckets] == plan and len(plan) > 1
         covered += names if res["rank"] % 2 == 0 else []
     assert sorted(covered) == sorted(runs[0]["export"])
 

@@ -85,3 +85,61 @@ def test_a_stream_off_its_plan_ends_the_sync_with_one_error(tmp_path):
     assert "departed from the bucket plan" in trainer[2] and " holds " in trainer[2], trainer[2]
     assert "departed from the bucket plan" in trainer[3] and "bucket 0 holds" in trainer[3], trainer[3]
     assert rollout == {"versions": [1, 2, 3, 4], "weights_after": True}, rollout
+
+
+def _bf16_syncs(port: int, folder: str):
+    """A bf16 model of the local spec (its norms keep fp32 weights) over the HF-bucket stream, then shard to
+    shard, each into a bf16 engine: the trainer's export, and the engine's tensors after each sync."""
+    import torch
+
+    from hybridrl.models.hf_checkpoint import mcore_to_hf_stream, model_from_hf
+    from hybridrl.models.hf_config import spec_from_hf_config
+    from hybridrl.parallel import liveness
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.placement.transport import WeightReceiver, WeightSender
+    from hybridrl.rollout.native import NativeEngine
+
+    rank, bridge = _split_pair(port)
+    try:
+        if rank == 0:
+            groups = init_model_parallel(1, 1)
+            model, spec = model_from_hf(folder, groups, dtype="bfloat16", layer_spec="local")
+            with torch.no_grad():  # norms off the bf16 grid: a cast to bf16 on the way would change them
+                for name, p in model.named_parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 1e-3)
+            dtypes = {str(p.dtype) for p in model.parameters()}
+            for shards in (False, True):
+                WeightSender(bridge, (0, 0, 0), groups, spec, BUCKET_MB, "fingerprint", shards).send(model, 1)
+            return {"dtypes": dtypes, "export": {k: v.clone() for k, v in mcore_to_hf_stream(model, spec, groups)}}
+        spec = spec_from_hf_config(folder)
+        out = {}
+        for shards in (False, True):
+            engine = NativeEngine(spec, 1, dtype="bfloat16")
+            WeightReceiver([bridge], "fingerprint", (spec, 1, 0) if shards else None).receive(engine)
+            out[shards] = {n: t.clone() for n, t in engine.params.items()}
+        return out
+    finally:
+        liveness.stop()
+
+
+@pytest.mark.distributed
+def test_a_bf16_model_with_fp32_norms_arrives_exact_on_both_streams(tmp_path):
+    """Each tensor travels in its own dtype: the fp32 norms beside bf16 weights arrive bit for bit on the
+    HF-bucket stream and shard to shard. Before, a bucket was packed in its first tensor's dtype: the norms were
+    cast to bf16 (the transport check failed) or, first in a bucket, taken for a departure from the plan."""
+    import torch
+
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+    from hybridrl.models.hf_config import spec_from_hf_config
+
+    folder = random_hf_model_folder(str(tmp_path / "m"), "qwen2", num_hidden_layers=2)
+    trainer, rollout = run_distributed(_bf16_syncs, 2, free_port(), folder, timeout=120)
+    assert trainer["dtypes"] == {"torch.bfloat16", "torch.float32"}, trainer["dtypes"]
+    spec, reader = spec_from_hf_config(folder), hc.DictReader(trainer["export"])
+    for shards, params in rollout.items():
+        norms = [n for n in params if n.endswith("layernorm.weight")]
+        assert norms and all(params[n].dtype == torch.float32 for n in norms), (shards, norms)
+        rows = lambda t: t[:spec.vocab_size]  # noqa: E731 (the export holds no vocabulary padding)
+        differ = [n for n, t in params.items() if not torch.equal(rows(t), rows(hc.read_shard(n, reader, spec, 1, 0)))]
+        assert not differ, (shards, differ)

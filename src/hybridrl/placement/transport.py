@@ -10,8 +10,8 @@ they are, to the rollout ranks of its TP rank, which copy them into their parame
 streams run at once; each rollout rank takes bucket k of every stream before bucket k+1 of any (its engine
 loads from one thread, in one order on every rollout rank), while the next buckets are already on their way.
 
-The bucket plan of a stream (names, shapes, dtype of every bucket: `bucket_plan`, fixed by the model and
-the bucket size) goes once, on the first sync; each sync then sends only bytes, and one message at its end
+The bucket plan of a stream (name, shape and dtype of every tensor of every bucket: `bucket_plan`, fixed by
+the model and the bucket size) goes once, on the first sync; each sync then sends only bytes, and one message at its end
 with the version and the sender's digest of every tensor. Each rollout rank digests the bytes it received
 (checked against the sender's at the end: the transport), loads each bucket into its engine, and checks
 what the engine read back from its own parameters against the received slice (the store). One verdict per
@@ -25,8 +25,10 @@ and starts its broadcast, then gathers bucket k+1 (the TP collectives) and packs
 at most two buckets of a stream in flight. A sender holds at most two packed buckets beside the stream's staging (one bucket and one
 tensor's scratch, `iter_hf_weights`); a rollout rank holds two buffers of each stream's largest bucket
 (2 x streams buckets), each receiving one bucket while the engine loads from the other.
+A bucket travels as bytes: each tensor in its own dtype (a bf16 model built with the local spec keeps fp32
+norms), at an offset aligned to its element size (`_offsets`).
 `perf/weight_sync_bytes` is the bytes put on the bridges per sync, summed over the senders: every HF
-tensor once (sum of numel x element size).
+tensor once (sum of numel x element size, plus any alignment between tensors of different element sizes).
 
 Placement must not import engines or the trainer: the engine is any object with `load_weights`.
 """
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.placement.fingerprint import hf_region, weight_digests
 from hybridrl.models import hf_convert as hc
-from hybridrl.models.hf_checkpoint import global_weight_state
+from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight
 from hybridrl.placement.readback import HandoffError, shard_hf_parts, stored_shard_error
 from hybridrl.placement.reshard import iter_hf_weights
 
@@ -55,15 +57,40 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 class _Buffer:
-    """One flat buffer reused for every bucket, grown when a bucket needs more."""
+    """One flat byte buffer reused for every bucket, grown when a bucket needs more."""
 
     def __init__(self):
         self.t = None
 
-    def get(self, numel: int, dtype, device) -> torch.Tensor:
-        if self.t is None or self.t.numel() < numel or self.t.dtype != dtype or self.t.device != device:
-            self.t = torch.empty(numel, dtype=dtype, device=device)
-        return self.t[:numel]
+    def get(self, nbytes: int, device) -> torch.Tensor:
+        if self.t is None or self.t.numel() < nbytes or self.t.device != device:
+            self.t = None  # the old one goes before the larger one comes
+            self.t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.t[:nbytes]
+
+
+def _offsets(layout) -> tuple[list, int]:
+    """(byte offset of each tensor of a bucket's layout [(name, shape, dtype name)], the bucket's bytes): in
+    order, each aligned to its element size (a view of the byte buffer as that dtype needs it)."""
+    offsets, end = [], 0
+    for _, shape, dtype in layout:
+        size = _DTYPES[dtype].itemsize
+        start = -(-end // size) * size
+        offsets.append(start)
+        end = start + torch.Size(shape).numel() * size
+    return offsets, end
+
+
+def _views(flat: torch.Tensor, layout) -> list:
+    """(name, tensor) of each entry of `layout`, a view of the byte buffer `flat` in its dtype and shape."""
+    offsets, _ = _offsets(layout)
+    return [(name, flat[o:o + torch.Size(shape).numel() * _DTYPES[dtype].itemsize].view(_DTYPES[dtype]).view(shape))
+            for (name, shape, dtype), o in zip(layout, offsets)]
+
+
+def _layout(bucket) -> list:
+    """[(name, shape, dtype name)] of a bucket's tensors: what its plan entry must say."""
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket]
 
 
 def weight_streams(layouts: list, ep: int, shards: bool = False) -> list[tuple[int, int, int]]:
@@ -121,22 +148,20 @@ def stream_names(spec: GPTSpec, stage: int, ep_rank: int, pp: int, ep: int) -> l
 
 
 def bucket_plan(spec: GPTSpec, bucket_bytes: int, tp: int, dtype: torch.dtype, names=None) -> list:
-    """[[(hf_name, shape), ...] per bucket]: the buckets `iter_hf_weights` yields over `names` (all by
-    default), without any data (whole megatron tensors whose full sizes at training TP sum to <= bucket_bytes,
-    one if larger)."""
+    """[[(hf_name, shape, dtype name), ...] per bucket]: the buckets `iter_hf_weights` yields over `names` (all
+    by default) from a model of `dtype`, without any data (whole megatron tensors whose full sizes at training
+    TP, in `dtype`, sum to <= bucket_bytes, one if larger; each tensor in the dtype it is held in,
+    `hf_convert.held_dtype`)."""
     shapes, plan, bucket, held = hc.hf_shapes(spec), [], [], 0
     for global_name in hc.hf_to_mcore_name_map(spec) if names is None else names:
         size = torch.Size(hc.mcore_full_shape(global_name, spec, tp)).numel() * dtype.itemsize
         if bucket and held + size > bucket_bytes:
             plan.append(bucket)
             bucket, held = [], 0
-        bucket += [(hf, tuple(shapes[hf])) for hf in hc.hf_sources(global_name, spec)]
+        held_as = str(hc.held_dtype(global_name, spec, dtype))
+        bucket += [(hf, tuple(shapes[hf]), held_as) for hf in hc.hf_sources(global_name, spec)]
         held += size
     return plan + ([bucket] if bucket else [])
-
-
-def _numel(layout) -> int:
-    return sum(torch.Size(s).numel() for _, s in layout)
 
 
 class WeightSender:
@@ -150,7 +175,7 @@ class WeightSender:
         self.names = None if stream is None else stream_names(spec, stream[1], stream[2], groups.pp, groups.ep)
         self.buffers = (_Buffer(), _Buffer())
         self.plan, self.dtype, self.fault = None, None, None
-        """The bucket plan and its dtype once sent (first sync): later syncs send bytes only."""
+        """The bucket plan and the model's dtype once sent (first sync): later syncs send bytes only."""
 
     def send(self, model, version: int) -> dict:
         start = time.perf_counter()
@@ -166,12 +191,14 @@ class WeightSender:
     def _walk(self, model, version: int) -> tuple:
         """(bytes sent, buckets sent, the rollout ranks' verdict) on the sender; (0, 0, None) on its TP peers."""
         sent, buckets, digests, in_flight = 0, 0, [], [None, None]
+        if self.plan is None:  # the model's dtype (its weight matrices'), which the plan's bucket sizes count in
+            self.dtype = sample_weight(model).dtype
         if not self.names:
             stream = ()
         elif self.shards:  # views only: the plan is known before any byte moves
             stream = shard_buckets(model, self.spec, self.groups, self.names, self.bucket_bytes)
             if self.plan is None and stream:
-                self._send_plan(stream[0][0][1].dtype, [[(n, tuple(t.shape)) for n, t in b] for b in stream])
+                self._send_plan([_layout(b) for b in stream])
         else:
             stream = iter_hf_weights(model, self.spec, self.groups, self.bucket_bytes, self.names)
         self.fault = None
@@ -182,7 +209,7 @@ class WeightSender:
         if self.bridge is None:
             return 0, 0, None
         if self.plan is None:  # a stream without tensors still announces its (empty) plan
-            self._send_plan(torch.float32)
+            self._send_plan()
         for index in range(buckets, len(self.plan)):  # the stream ended early: the receivers still expect these
             self._faulty(f"it ended after {buckets} of the {len(self.plan)} buckets planned")
             sent += self._send_bucket(index, self._zeros(index), digests, in_flight)
@@ -194,11 +221,10 @@ class WeightSender:
         self.bridge.broadcast_object({"version": version, "digests": digests, "fault": self.fault}, src)
         return sent, buckets, self.bridge.broadcast_object(None, leader)
 
-    def _send_plan(self, dtype, plan=None) -> None:
-        self.plan = plan if plan is not None else bucket_plan(self.spec, self.bucket_bytes, self.groups.tp, dtype,
-                                                              self.names)
-        self.dtype = dtype
-        self.bridge.broadcast_object({"plan": self.plan, "dtype": str(dtype)}, self.bridge.members[0])
+    def _send_plan(self, plan=None) -> None:
+        self.plan = plan if plan is not None else bucket_plan(self.spec, self.bucket_bytes, self.groups.tp,
+                                                              self.dtype, self.names)
+        self.bridge.broadcast_object({"plan": self.plan, "dtype": str(self.dtype)}, self.bridge.members[0])
 
     def _faulty(self, what: str) -> None:
         """Note the stream's first departure from its plan; it reaches every rank in the sync's verdict."""
@@ -210,30 +236,33 @@ class WeightSender:
     def _zeros(self, index: int) -> list:
         """Planned bucket `index` filled with zeros: what goes on the bridge in place of a departing bucket, so
         every receiver's posted broadcast completes and the verdict, not a hang, ends the sync."""
-        return [(n, torch.zeros(shape, dtype=self.dtype, device=self.bridge.device)) for n, shape in self.plan[index]]
+        return [(n, torch.zeros(shape, dtype=_DTYPES[dtype], device=self.bridge.device))
+                for n, shape, dtype in self.plan[index]]
 
     def _send_bucket(self, index: int, bucket, digests: list, in_flight: list) -> int:
         """Pack bucket `index` into its buffer (once bucket index-2 has left it) and start its broadcast."""
         if self.plan is None:  # first sync: the plan, once, before any bytes
-            self._send_plan(bucket[0][1].dtype)
+            self._send_plan()
         if index >= len(self.plan):  # past the plan: the receivers expect nothing more
             self._faulty(f"bucket {index} ({[n for n, _ in bucket][:3]}) is past the {len(self.plan)} planned")
             return 0
-        layout = [(n, tuple(t.shape)) for n, t in bucket]
-        if layout != self.plan[index] or bucket[0][1].dtype != self.dtype:
-            self._faulty(f"bucket {index} holds {[n for n, _ in bucket][:3]} as {bucket[0][1].dtype}, the plan "
-                         f"{[n for n, _ in self.plan[index]][:3]} as {self.dtype}")
+        layout = _layout(bucket)
+        if layout != self.plan[index]:
+            wrong = next((ours, planned) for ours, planned in zip(layout + [None], self.plan[index] + [None])
+                         if ours != planned)
+            self._faulty(f"bucket {index} holds {[n for n, _ in bucket][:3]}, the plan "
+                         f"{[n for n, _, _ in self.plan[index]][:3]} (first difference: {wrong[0]} where the plan "
+                         f"has {wrong[1]})")
             bucket = self._zeros(index)
         if self.verify != "off":
             digests += weight_digests([t for _, t in bucket], self.verify)  # to the host at the end: no sync here
         slot = index % 2
         if in_flight[slot] is not None:
             in_flight[slot]()
-        flat = self.buffers[slot].get(sum(t.numel() for _, t in bucket), bucket[0][1].dtype, self.bridge.device)
-        offset = 0
-        for _, t in bucket:
-            flat[offset:offset + t.numel()].copy_(t.reshape(-1))
-            offset += t.numel()
+        layout = self.plan[index]
+        flat = self.buffers[slot].get(_offsets(layout)[1], self.bridge.device)
+        for (_, view), (_, t) in zip(_views(flat, layout), bucket):
+            view.copy_(t)
         in_flight[slot] = self.bridge.start_broadcast(flat, self.bridge.members[0])
         return flat.nbytes
 
@@ -255,19 +284,14 @@ class _Incoming:
     def post(self, k: int) -> None:
         """Start receiving bucket k into buffer k % 2 (free: bucket k-2 was loaded from it)."""
         if k < len(self.plan):
-            flat = self.buffers[k % 2].get(_numel(self.plan[k]), self.dtype, self.bridge.device)
+            flat = self.buffers[k % 2].get(_offsets(self.plan[k])[1], self.bridge.device)
             self.posted[k] = (flat, self.bridge.start_broadcast(flat, self.bridge.members[0]))
 
     def take(self, k: int) -> list:
-        """Bucket k as (hf_name, view of its buffer), once received."""
+        """Bucket k as (hf_name, view of its buffer in the tensor's dtype), once received."""
         flat, wait = self.posted.pop(k)
         wait()
-        bucket, offset = [], 0
-        for name, shape in self.plan[k]:
-            n = torch.Size(shape).numel()
-            bucket.append((name, flat[offset:offset + n].view(shape)))
-            offset += n
-        return bucket
+        return _views(flat, self.plan[k])
 
 
 class WeightReceiver:
@@ -294,7 +318,7 @@ class WeightReceiver:
         errors[:0] = [m["fault"] for m in metas if m.get("fault")]  # first: it explains any other error
         for s, got, meta in zip(self.streams, received, metas):
             if meta["digests"] is not None:
-                names = [n for layout in s.plan for n, _ in layout]
+                names = [n for layout in s.plan for n, _, _ in layout]
                 errors += [f"rank {dist.get_rank()} of the rollout world received {name!r} with a different "
                            f"{self.verify} than was sent" for name, ours, sent in zip(names, got, meta["digests"])
                            if not _same(ours, sent)]
