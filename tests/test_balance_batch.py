@@ -139,3 +139,19 @@ def test_once_per_replica_runs_on_rank_0_and_fails_everywhere():
     assert first_errors[0][0] == "ZeroDivisionError" and first_errors[1][0] in ("PicklingError", "AttributeError")
     assert [e[0] for e in second_errors] == ["LookupError", "LookupError"]
     assert "ZeroDivisionError" in second_errors[0][1] and "rank 0 of this model replica" in second_errors[0][1]
+
+
+def test_at_dp_1_nothing_moves_and_the_step_tokens_are_logged():
+    """verl logs global_seqlen/* at any DP size; at DP 1 every figure is the step's token count (a hand count)."""
+    from types import SimpleNamespace
+
+    from hybridrl.trainer.balance import balance_batch
+
+    batch, scores = _batch(0, 3, 12)
+    total = float(batch["attention_mask"].sum())  # rows of 11, 10, 9 real tokens, twice each: 60
+    assert total == 60.0
+    moved, moved_scores, metrics = balance_batch(batch, scores, N, SimpleNamespace(dp=1))
+    assert moved is batch and moved_scores is scores
+    assert metrics == {"global_seqlen/min": total, "global_seqlen/max": total, "global_seqlen/minmax_diff": 0.0,
+                       "global_seqlen/balanced_min": total, "global_seqlen/balanced_max": total,
+                       "global_seqlen/mean": total}

@@ -316,7 +316,10 @@ def test_torchrun_layouts(tmp_path, tmp_path_factory, estimator, tp, pp, nproc):
     if "trainer.balance_batch=true" in extras:
         seqlen = {k.split("/")[1]: v[1] for k, v in scalars.items() if k.startswith("global_seqlen/")}
         assert seqlen["balanced_max"] <= seqlen["max"] and seqlen["balanced_min"] >= seqlen["min"], seqlen
-        assert "global_seqlen/max" not in single  # world 1: nothing to balance
+        dp = nproc // (tp * pp)
+        alone = {k.split("/")[1]: v[1] for k, v in single.items() if k.startswith("global_seqlen/")}
+        # world 1: nothing moves, every figure is the step's tokens, the DP ranks' together
+        assert alone["max"] == alone["min"] == alone["balanced_max"] == alone["mean"] == seqlen["mean"] * dp, alone
     if "actor.use_kl_loss=true" in extras:
         assert "actor/kl_loss" in scalars and "timing_s/ref" in scalars
     import transformers

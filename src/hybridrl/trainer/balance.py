@@ -58,9 +58,11 @@ def seqlen_metrics(tokens: torch.Tensor, parts: List[List[int]], dp: int) -> Dic
 def balance_batch(batch: Dict[str, torch.Tensor], scores: torch.Tensor, n: int,
                   groups) -> Tuple[Dict[str, torch.Tensor], torch.Tensor, Dict[str, float]]:
     """(batch, scores, metrics) with this rank's prompt groups those of its balanced part. Every value of
-    `batch` and `scores` holds one entry per row (row r of prompt group r // n)."""
-    if groups.dp == 1:
-        return batch, scores, {}
+    `batch` and `scores` holds one entry per row (row r of prompt group r // n). At DP 1 the batch stays as it is
+    and the metrics are its own (min = max = mean: the step's tokens)."""
+    if groups.dp == 1:  # nothing moves; the metrics still say how many tokens the step holds, as verl's do
+        tokens = batch["attention_mask"].sum(-1).long().cpu()
+        return batch, scores, seqlen_metrics(tokens, [list(range(tokens.numel()))], 1)
     rows = scores.shape[0]
     counts = gather_dp(torch.tensor([rows], dtype=torch.long), groups).tolist()
     if len(set(counts)) != 1 or rows % n:
