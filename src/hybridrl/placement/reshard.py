@@ -101,6 +101,12 @@ class _Staging:
         return self._scratch[:torch.Size(shape).numel()].view(shape)
 
 
+READ_BACK_BYTES = 16 * 2**20
+"""Without overlap (CPU), the engine reads back what it stored once this many bytes are written and not yet read
+(and at each bucket's end): a few MiB still sit in the last-level cache, and small tensors share one digest batch
+instead of one each. Reading back each tensor at once made the small bench model's verified handoff ~10% slower
+(its 30 tensors, 9.5 MiB: one batch now), the medium one's no faster (`benchmarks/bench_reshard.py`)."""
+
 OVERLAP_ON = ("cuda",)
 """Device types where `_send_layout` reads a tensor back while the next collective moves (`_overlapped`). On CUDA
 the collective runs on its own stream; over gloo its worker threads need the cores the digests would take:
@@ -320,13 +326,16 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     summing = el.start_digest_sum(sent, groups) if verifying else None  # `sent` becomes the replica's sums
     row = {g: i for i, g in enumerate(names)}
     bucket, stored, held = [], Fingerprints(device), 0
-    pending = []  # written, not yet read back: on CUDA the engine reads a tensor back while the next one moves
+    pending, unread = [], 0  # written, not yet read back (and their bytes): on CUDA the engine reads a tensor back
+    # while the next one moves
     checks = []  # (names, the sources' digests, the engine's) per bucket
 
     def read_back():
+        nonlocal unread
         if verifying and pending:
             engine.layout_digests(pending, stored)
         pending.clear()
+        unread = 0
 
     def flush():
         nonlocal summing
@@ -380,7 +389,8 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
             if direct and hc.is_vocab_tensor(g):
                 param[spec.vocab_size:].zero_()  # the engine keeps padding rows at zero
         pending.append(g)
-        if not overlap:
+        unread += param.nbytes
+        if not overlap and unread >= READ_BACK_BYTES:
             read_back()  # while what was just written is in the cache
         total += param.nbytes
     if bucket:
