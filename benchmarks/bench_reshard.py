@@ -235,10 +235,14 @@ def report(results: dict, reps: int) -> tuple:
         s, m = _rows(name, res)
         speed += s
         memory += m
-    resharded = [r for r in speed if r[3].endswith("resharded")]
-    target = [r for r in resharded if r[5] == VERIFY[0] and r[4] == 64]
-    worst = min(target, key=lambda r: _pct(r[8]))
-    verdict = "met" if _pct(worst[8]) >= 70 else f"missed by {70 / _pct(worst[8]):.2f}x"
+    verified = [r for r in speed if r[5] == VERIFY[0] and r[4] == 64]
+    # each layout's handoff as the trainer runs it: TP 2 -> rollout TP 1 resharded, PP 2 -> 1 stage-read
+    target = [r for r in verified if r[3].endswith("resharded") and r[2].startswith("TP")
+              or r[3].endswith("stage-read")]
+    copied = [r for r in verified if r[3].endswith("resharded") and r[2].startswith("PP")]
+    worst, copied_worst = (min(rows, key=lambda r: _pct(r[8])) for rows in (target, copied))
+    verdict, copied_verdict = ("met" if _pct(w[8]) >= 70 else f"missed by {70 / _pct(w[8]):.2f}x"
+                               for w in (worst, copied_worst))
     copy_worst = min(target, key=lambda r: _pct(r[9]))
     over_first = [r for r in memory if r[6] != "met"]
     over_wide = [r for r in memory if r[10] != "met"]
@@ -247,7 +251,6 @@ def report(results: dict, reps: int) -> tuple:
                   if over_first else f"all {len(memory)} cells within the bound first promised")
     wide_text = (f"{len(over_wide)} of {len(memory)} cells over the widened bound ({cells(over_wide)})"
                  if over_wide else f"all {len(memory)} cells within the widened bound")
-    staged = [r for r in speed if r[3].endswith("stage-read")]
     shared = [r for r in speed if r[3].endswith("shared")]
     direct = [r for r in speed if r[3].endswith("direct")]
     runs_text = "; ".join(f"{name} " + ", ".join(f"{'TP' if tp > 1 else 'PP'}=2: {c['runs']}" for (tp, pp, path, b, v), c
@@ -273,11 +276,15 @@ def report(results: dict, reps: int) -> tuple:
             + bl.table(["model", "MiB stored", "training", "engine", "bucket MiB", "verify", "handoff",
                         "memcpy GiB/s", "handoff / collectives alone", "handoff / memcpy",
                         "collectives alone / memcpy"] + bl.STAMP_HEADER, speed)
-            + f"\n\nTarget: the verified (fingerprint) 64 MiB resharded handoff >= 70% of its layout's collectives-alone "
-            f"throughput, both models, TP 2 -> 1 and PP 2 -> 1: worst {worst[8].strip('*')} ({worst[0]}, {worst[2]}; "
-            f"{verdict}). Against memcpy the same cells reach {copy_worst[9]} at worst ({copy_worst[0]}, "
-            f"{copy_worst[2]}). The trainer's default at PP 2 (stage-read): "
-            + ", ".join(f"{r[0]} {r[8].strip('*')}" for r in staged) + ".\n\n"
+            + f"\n\nTarget: the verified (fingerprint) 64 MiB handoff >= 70% of its layout's collectives-alone "
+            f"throughput, each layout's handoff as the trainer runs it (TP 2 -> rollout TP 1: resharded into the "
+            f"engine's layout; PP 2 -> rollout TP 1: stage-read), both models: "
+            + ", ".join(f"{r[0]} {r[2]} {r[8].strip('*')}" for r in target)
+            + f"; worst {worst[8].strip('*')} ({worst[0]}, {worst[2]}, {worst[3].split(', ')[1]}; {verdict}). Against "
+            f"memcpy the same cells reach {copy_worst[9]} at worst ({copy_worst[0]}, {copy_worst[2]}). PP 2 -> 1 with "
+            f"every tensor copied (LoRA's merged weights, or rollout.share_weights=false: the own stage is copied "
+            f"too, and digested at the source and where it is stored): "
+            + ", ".join(f"{r[0]} {r[8].strip('*')}" for r in copied) + f" ({copied_verdict}).\n\n"
             f"Peak extra memory of one metered, verified resharded handoff (HandoffReport.peak_extra_bytes, bytes) vs the "
             f"bound first promised (one bucket + largest tensor) and the widened one (+ what the fingerprint check "
             f"allocates, `reshard.verify_bytes`; HandoffReport.peak_bound_bytes). The resharded path holds no bucket "
@@ -292,9 +299,13 @@ def report(results: dict, reps: int) -> tuple:
         text += (f"\n\nMore was runnable than there are cores while this ran (1-minute load up to {load:.1f} on {cores} "
                  f"cores, the bench's own two ranks included): every rate above is what two ranks got of it, and the "
                  f"ratios of timings taken moments apart carry that noise.")
-    summary = [["reshard verified 64 MiB handoff >= 70% of the collectives alone",
-                f"worst **{worst[8].strip('*')}** ({worst[0]} {worst[2]}); vs sustained memcpy worst {copy_worst[9]}",
-                verdict] + bl.stamp(samples),
+    summary = [["reshard verified 64 MiB handoff >= 70% of the collectives alone (as the trainer runs each layout: "
+                "TP 2 -> 1 resharded, PP 2 -> 1 stage-read)",
+                ", ".join(f"{r[0]} {r[2]} **{r[8].strip('*')}**" for r in target)
+                + f"; vs sustained memcpy worst {copy_worst[9]}", verdict] + bl.stamp(samples),
+               ["reshard PP 2 -> 1 with every tensor copied (LoRA merged weights, share_weights=false) >= 70% of the "
+                "collectives alone", ", ".join(f"{r[0]} **{r[8].strip('*')}**" for r in copied), copied_verdict]
+               + bl.stamp(samples),
                ["reshard peak <= one bucket + largest tensor (first promise), and <= + the check (widened)",
                 f"{len(memory) - len(over_first)} of {len(memory)} within the first; "
                 f"{len(memory) - len(over_wide)} of {len(memory)} within the widened; "
@@ -304,11 +315,7 @@ def report(results: dict, reps: int) -> tuple:
                ["reshard at equal layouts: shared reads the training tensors, direct copies the shards",
                 "shared " + ", ".join(f"{r[0]} {r[6]}" for r in shared) + "; direct "
                 + ", ".join(f"{r[0]} {r[6]} ({r[9]} of memcpy)" for r in direct),
-                "shared copies 0 bytes"] + bl.stamp(samples),
-               ["reshard PP 2 default (engine reads its own stage, takes the other's verified) >= 70% of the "
-                "collectives alone", ", ".join(f"{r[0]} **{r[8].strip('*')}**" for r in staged),
-                "met" if all(_pct(r[8]) >= 70 for r in staged)
-                else f"missed by {70 / min(_pct(r[8]) for r in staged):.2f}x"] + bl.stamp(samples)]
+                "shared copies 0 bytes"] + bl.stamp(samples)]
     return text, summary
 
 
