@@ -143,3 +143,39 @@ def test_a_bf16_model_with_fp32_norms_arrives_exact_on_both_streams(tmp_path):
         rows = lambda t: t[:spec.vocab_size]  # noqa: E731 (the export holds no vocabulary padding)
         differ = [n for n, t in params.items() if not torch.equal(rows(t), rows(hc.read_shard(n, reader, spec, 1, 0)))]
         assert not differ, (shards, differ)
+
+
+def _norms_sent_in_bf16(folder: str) -> dict:
+    """What a rollout rank's checks say of a bucket from a Transformer Engine trainer in bf16 (its norms are bf16)
+    stored by a bf16 engine of the local spec (whose norms are fp32): the HF stream's and the shard stream's."""
+    import torch
+
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.hf_checkpoint import SafetensorsReader
+    from hybridrl.models.hf_config import spec_from_hf_config
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.placement.transport import WeightReceiver
+    from hybridrl.rollout.native import NativeEngine
+
+    init_model_parallel(1, 1)
+    spec, reader = spec_from_hf_config(folder), SafetensorsReader(folder)
+    hf_bucket = [(n, reader.read(n).to(torch.bfloat16)) for n in reader.names()]
+    shard_bucket = [(g, hc.read_shard(g, reader, spec, 1, 0).to(torch.bfloat16)) for _, g in hc.stage_names(spec, 1, 0)]
+    out = {}
+    for key, bucket, shards in (("hf", hf_bucket, None), ("shards", shard_bucket, (spec, 1, 0))):
+        engine = NativeEngine(spec, 1, dtype="bfloat16")
+        out[key] = WeightReceiver([], "fingerprint", shards)._load(engine, bucket, [])
+        out[key + "_norm_dtypes"] = {str(t.dtype) for g, t in engine.params.items() if g.endswith("layernorm.weight")}
+    return out
+
+
+def test_a_te_trainers_bf16_norms_pass_the_check_into_fp32_norms(tmp_path):
+    """The rollout rank digests what it received as the engine stores it (`readback.as_stored`), as the colocated
+    bucket path does: bf16 norms into the local spec's fp32 ones are exact, not a fault. Before, both checks named
+    every norm (the bf16 digest against the engine's fp32 one): a GPU split run with TE failed every sync."""
+    from hybridrl.models.hf_checkpoint import random_hf_model_folder
+
+    folder = random_hf_model_folder(str(tmp_path / "m"), "qwen2", num_hidden_layers=2)
+    out = run_distributed(_norms_sent_in_bf16, 1, folder, timeout=120)[0]
+    assert out["hf_norm_dtypes"] == out["shards_norm_dtypes"] == {"torch.float32"}, out
+    assert (out["hf"], out["shards"]) == ([], []), out

@@ -84,7 +84,8 @@ def shard_hf_parts(batch, spec: GPTSpec, tp: int, tp_rank: int) -> list:
 
 def stored_shard_error(parts: list, received: dict, verify: str) -> str | None:
     """What is wrong with an engine's read-back (`load_shards`) of the slices `parts` it was given: a slice
-    not reported, stored at another region, or with another digest than the one sent; None when all agree."""
+    not reported, stored at another region, or with another digest than the one sent (in the dtype the engine
+    stores it in: a TE trainer's bf16 norms are fp32 in the local-spec engine); None when all agree."""
     try:
         names = [hf for hf, _, _ in parts]
         require_reported(names, received)
@@ -92,7 +93,8 @@ def stored_shard_error(parts: list, received: dict, verify: str) -> str | None:
             if received[hf].region != region:
                 raise HandoffError(f"engine stores slice {received[hf].region} of {hf!r}; "
                                    f"the shard sent holds {region}")
-        check_digests(names, weight_digests([view for _, view, _ in parts], verify), received, verify)
+        check_digests(names, weight_digests([as_stored(view, received[hf].dtype) for hf, view, _ in parts], verify),
+                      received, verify)
     except HandoffError as err:
         return str(err)
     return None

@@ -391,7 +391,7 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
         pending.append(g)
         unread += param.nbytes
         if not overlap and unread >= READ_BACK_BYTES:
-            read_back()  # while what was just written is in the cache
+            read_back()  # while most of what was written is still in the cache
         total += param.nbytes
     if bucket:
         n_new, max_bucket = flush()
