@@ -169,19 +169,48 @@ def _tp1_and_pp2() -> dict:
     res["pp2"] = (reshard.update_engine_weights(other, stage, spec, groups, 1, share=False), other.own_weight_bytes())
     res.update(_pp2_stage_shared(stage, opt, spec, groups))
     res["pp2_bf16"] = _pp2_bf16(spec, groups)
+    res["pp2_te_norms"] = _pp2_bf16(spec, groups, te_norms=True)
     return res
 
 
-def _pp2_bf16(spec, groups) -> dict:
-    """PP 2 in bf16 (the local spec's norms keep fp32 weights; stage 1 starts with one): every handoff path is the
-    same on both stages, and each engine's tensors equal the export (real vocabulary rows), in the trainer's
-    dtypes."""
+def _as_te_holds_norms(stage):
+    """The stage's norms in the model's dtype, as a Transformer Engine trainer holds them (TE is not installed
+    here: the local model's norms are cast, and `held_dtype` says what TE's would), until the context ends."""
+    import contextlib
+
+    from hybridrl.models import hf_convert as hc
+
+    @contextlib.contextmanager
+    def held():
+        for name, p in stage.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.data = p.data.to(torch.bfloat16)
+        real, hc.held_dtype = hc.held_dtype, lambda name, spec, dtype: dtype
+        try:
+            yield
+        finally:
+            hc.held_dtype = real
+    return held()
+
+
+def _pp2_bf16(spec, groups, te_norms: bool = False) -> dict:
+    """PP 2 in bf16 (the local spec's norms keep fp32 weights; stage 1 starts with one; `te_norms`: bf16 norms,
+    as a Transformer Engine trainer holds them): every handoff path is the same on both stages, and each engine's
+    tensors equal the export (real vocabulary rows), in the engine's dtypes."""
+    import contextlib
+
+    stage, _ = _actor(1, groups.pp_rank, "bfloat16", False, pp=2)
+    held = _as_te_holds_norms(stage) if te_norms else contextlib.nullcontext()
+    with held:
+        return _bf16_handoffs(stage, spec, groups)
+
+
+def _bf16_handoffs(stage, spec, groups) -> dict:
     from hybridrl.models.hf_checkpoint import mcore_to_hf_stream
     from hybridrl.models import hf_convert as hc
     from hybridrl.placement import reshard
     from hybridrl.rollout.native import NativeEngine
 
-    stage, _ = _actor(1, groups.pp_rank, "bfloat16", False, pp=2)
     export = dict(mcore_to_hf_stream(stage, spec, groups))
     reader = hc.DictReader(export)
     out = {}
@@ -248,6 +277,20 @@ def test_pp2_bf16_stages_take_the_same_path(runs):
         assert paths["stage_read"][:3] == (True, True, True) and paths["copied"][:3] == (True, False, True), paths
         assert paths["rollout_tp2"][:3] == (True, False, True), paths  # an fp32 norm through the bf16 scratch
         assert paths["hf_buckets"][:3] == (True, False, False), paths  # an fp32 norm beside the bf16 bucket
+        for key, (_, _, _, dtypes, exact) in paths.items():
+            assert dtypes == {"torch.bfloat16", "torch.float32"} and not exact, (key, dtypes, exact)
+
+
+@pytest.mark.distributed
+def test_pp2_a_te_trainers_bf16_norms_go_into_the_engines_fp32_ones(runs):
+    """A Transformer Engine trainer holds its norms in bf16, the local-spec engine in fp32: each tensor moves in the
+    trainer's dtype and is stored in the engine's (the layout path gathered or broadcast bf16 norms into fp32
+    parameters, and digested the bf16 source against the fp32 read-back), on every path PP 2 takes; the stage that
+    reads its own tensors holds its own norms as the trainer does."""
+    for res in runs:
+        paths = res["pp2_te_norms"]
+        assert paths["stage_read"][:3] == (True, True, True) and paths["copied"][:3] == (True, False, True), paths
+        assert paths["rollout_tp2"][:3] == (True, False, True) and paths["hf_buckets"][:3] == (True, False, False)
         for key, (_, _, _, dtypes, exact) in paths.items():
             assert dtypes == {"torch.bfloat16", "torch.float32"} and not exact, (key, dtypes, exact)
 

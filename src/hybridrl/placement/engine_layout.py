@@ -140,9 +140,10 @@ def add_source_digest(fp: Fingerprints, g: str, shard, spec: GPTSpec, groups, rt
 
 
 def sends_engine_layout(engine, model, spec: GPTSpec, groups, verify: str) -> bool:
-    """The engine takes megatron tensors in its own layout (`layout_targets`), on the training tensors'
-    device and dtype, EP 1, with a fingerprint check (or none) whose words both ends can read alike."""
-    if not hasattr(engine, "layout_targets") or verify == "exact" or groups.ep > 1:
+    """The engine takes megatron tensors in its own layout (`layout_targets`, and says the dtype it stores each
+    in: `stored_dtype`), on the training tensors' device and dtype, EP 1, with a fingerprint check (or none) whose
+    words both ends can read alike."""
+    if not all(hasattr(engine, a) for a in ("layout_targets", "stored_dtype")) or verify == "exact" or groups.ep > 1:
         return False
     sample = sample_weight(model)
     rt, _, dtype = engine.shard_layout()

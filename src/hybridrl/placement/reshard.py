@@ -10,7 +10,9 @@ hash, EP > 1), with at most one bucket plus one tensor's working set alive. The 
 digests of what it stored; they must equal the sender's (`HandoffError` otherwise).
 Every rank of the training model replica must run the stream in lockstep (it is collective). This
 module must not know any engine's internals: the engine sees (hf_name, tensor) pairs, or its own
-shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards` / `layout_targets`.
+shards by megatron name when it offers `shard_layout` / `load_shards` / `share_shards` / `layout_targets` (with
+`stored_dtype`). Each tensor moves in the dtype the training ranks hold it in (`hf_convert.held_dtype`) and is
+stored in the engine's (a Transformer Engine trainer's bf16 norms go into the local spec's fp32 ones).
 """
 from __future__ import annotations
 
@@ -288,15 +290,16 @@ def _send_shards(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     return n_tensors, n_buckets, total, max_bucket
 
 
-def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, device):
+def _source_digests(names: list, local: dict, spec: GPTSpec, groups, rt: int, device, stored: dict):
     """[len(names), rt] int64: this rank's share of the sources' digest of each tensor's part that rollout-TP rank k
-    stores (`engine_layout.add_source_digest`), its shards digested once, before anything moves. Up front, every
-    stage digests its own shards at the same time; per bucket, a bucket held by one stage would keep the others
-    waiting at its check."""
+    stores (`engine_layout.add_source_digest`), its shards digested once, before anything moves, as the engine
+    stores them (`stored`: the dtype of each; a Transformer Engine trainer's bf16 norms go into fp32 ones). Up
+    front, every stage digests its own shards at the same time; per bucket, a bucket held by one stage would keep
+    the others waiting at its check."""
     digests = Fingerprints(device)
     for g in names:
         shard = source_tensor(local, g) if groups.pp_rank == hc.owner_stage(g, spec, groups.pp) else None
-        el.add_source_digest(digests, g, shard, spec, groups, rt)
+        el.add_source_digest(digests, g, None if shard is None else as_stored(shard, stored[g]), spec, groups, rt)
     return digests.result([(g, k) for g in names for k in range(rt)]).view(len(names), rt)
 
 
@@ -322,7 +325,10 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
     overlap = device.type in OVERLAP_ON
-    sent = _source_digests(names, local, spec, groups, rt, device) if verifying else None
+    model_dtype = sample_weight(model).dtype
+    wire = {g: hc.held_dtype(g, spec, model_dtype) for g in names}  # how every training rank holds g: how it moves
+    sent = _source_digests(names, local, spec, groups, rt, device, {g: engine.stored_dtype(g) for g in names}) \
+        if verifying else None
     summing = el.start_digest_sum(sent, groups) if verifying else None  # `sent` becomes the replica's sums
     row = {g: i for i, g in enumerate(names)}
     bucket, stored, held = [], Fingerprints(device), 0
@@ -358,15 +364,18 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
             n_new, max_bucket = flush()
             n_buckets, bucket, held, stored = n_buckets + n_new, [], 0, Fingerprints(device)
         param, full_shape = targets.get(g), hc.mcore_full_shape(g, spec, groups.tp)
-        direct = param is not None and rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
-        into = (lambda shape, p=param: p) if direct else \
-            functools.partial(scratch.full, dtype=dtype if param is None else param.dtype)
+        direct = (param is not None and rt == 1 and tuple(param.shape) == tuple(full_shape) and param.is_contiguous()
+                  and param.dtype == wire[g])
+        into = (lambda shape, p=param: p) if direct else functools.partial(scratch.full, dtype=wire[g])
         owner = hc.owner_stage(g, spec, groups.pp)
         shard = source_tensor(local, g) if groups.pp_rank == owner else None
         meanwhile = read_back if overlap else None  # touches nothing the collective writes
         if stage:  # rollout TP = TP: a stage's TP shard is what the engine of the same TP rank holds, sent as it is
-            _overlapped(dist.broadcast, param if shard is None else shard.contiguous(), group=groups.pp_group,
-                        group_src=owner, while_waiting=meanwhile)
+            moved = shard.contiguous() if shard is not None else param if param.dtype == wire[g] else \
+                scratch.full(tuple(param.shape), dtype=wire[g])  # into the engine's own dtype after it arrives
+            _overlapped(dist.broadcast, moved, group=groups.pp_group, group_src=owner, while_waiting=meanwhile)
+            if shard is None and moved is not param:
+                param.copy_(moved)
         else:
             full = _gather_tp(g, shard, groups, scratch, into, meanwhile if groups.tp > 1 else None) \
                 if shard is not None else into(full_shape)

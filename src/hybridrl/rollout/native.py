@@ -123,6 +123,7 @@ class NativeEngine:
         names = [g for _, g in hc.stage_names(self.spec, 1, 0)]
         state = self.model.state_dict(keep_vars=True)
         self.params = {g: state[g] for g in names}
+        self._dtypes = {g: p.dtype for g, p in self.params.items()}  # kept while a parameter reads a trainer's
         self._shared: dict[str, torch.Tensor] = {}
         """name -> the trainer's tensor the parameter reads (`share_shards`); empty: the engine's own copy."""
         self._aliased: set[str] = set()
@@ -146,7 +147,7 @@ class NativeEngine:
 
     def shard_layout(self) -> tuple:
         """(tp, tp_rank, dtype) of the parameters: a trainer with the same layout can `load_shards`."""
-        return self.groups.tp, self.groups.tp_rank, next(iter(self.params.values())).dtype
+        return self.groups.tp, self.groups.tp_rank, next(iter(self._dtypes.values()))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], verify: str = "fingerprint") -> dict:
         """Copy this rank's slice of each HF tensor straight into its place in the parameters.
@@ -193,6 +194,12 @@ class NativeEngine:
             out[name] = self.params[own]
             self._loaded.update(hc.hf_sources(own, self.spec))
         return out
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype this engine stores a trainer's megatron tensor in (global name, either spec) in a copy of its
+        own: the local spec's norms fp32, the rest the engine's dtype (a Transformer Engine trainer holds its norms in
+        the model's dtype); a parameter that reads the trainer's tensor itself has the trainer's."""
+        return self._dtypes[self._own_name(name)]
 
     @torch.no_grad()
     def take_full(self, name: str, full: torch.Tensor) -> None:
@@ -246,9 +253,12 @@ class NativeEngine:
     @torch.no_grad()
     def _adopt(self, own: str, shard: torch.Tensor) -> None:
         param = self.params[own]
-        if (shard.shape, shard.dtype, shard.device) != (param.shape, param.dtype, param.device):
+        # a tensor kept in another dtype than the weights (the local spec's fp32 norms) reads the trainer's as it
+        # is, in the weights' dtype too (a Transformer Engine trainer's norms are bf16 in a bf16 model)
+        dtypes = {self._dtypes[own], self.shard_layout()[2]}
+        if (shard.shape, shard.device) != (param.shape, param.device) or shard.dtype not in dtypes:
             raise ValueError(f"share_shards: {own!r} is {list(shard.shape)} {shard.dtype} on {shard.device}, the "
-                             f"engine's is {list(param.shape)} {param.dtype} on {param.device}; such a layout "
+                             f"engine's is {list(param.shape)} {self._dtypes[own]} on {param.device}; such a layout "
                              f"takes the copy path (load_shards / load_weights)")
         if self._stash is not None:  # asleep: the freed storages are dropped, not restored
             self._stash, self._loaded = None, set()
@@ -276,7 +286,7 @@ class NativeEngine:
             return
         with torch.no_grad():
             for g in bare:
-                self.params[g].data = torch.empty_like(self.params[g])
+                self.params[g].data = torch.empty_like(self.params[g], dtype=self._dtypes[g])  # its own dtype again
                 self._aliased.discard(g)
                 self._shared.pop(g, None)
                 self._loaded.difference_update(hc.hf_sources(g, self.spec))
