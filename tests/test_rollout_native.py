@@ -282,3 +282,39 @@ def test_sampling_along_one_row_follows_the_distribution():
     torch.testing.assert_close(torch.bincount(tokens, minlength=4) / steps, expect, atol=0.03, rtol=0)
     pairs = torch.bincount(tokens[:-1] * 4 + tokens[1:], minlength=16).reshape(4, 4) / (steps - 1)
     torch.testing.assert_close(pairs, expect[:, None] * expect[None, :], atol=0.02, rtol=0)
+
+
+def _te_named_norms() -> dict:
+    """A bf16 engine (the local spec: fp32 norms) given a Transformer Engine trainer's bf16 norms by their TE names."""
+    import dataclasses
+
+    from hybridrl.models import hf_convert as hc
+    from hybridrl.models.gpt import GPTSpec
+    from hybridrl.parallel.distributed import init_model_parallel
+    from hybridrl.rollout.native import NativeEngine
+    from megatron_roles import SPEC
+
+    init_model_parallel(1, 1)
+    spec = GPTSpec(**SPEC)
+    engine = NativeEngine(spec, 1, dtype="bfloat16")
+    te = dataclasses.replace(spec, layer_spec="te")
+    local_names = {hc.hf_sources(g, spec): g for g in engine.params}
+    te_norms = {g: local_names[hc.hf_sources(g, te)] for _, g in hc.stage_names(te, 1, 0) if "norm" in g}
+    shards = [(g, torch.full(engine.params[own].shape, 1.5, dtype=torch.bfloat16)) for g, own in te_norms.items()]
+    before = {g: str(engine.stored_dtype(g)) for g in te_norms}
+    held = engine.share_shards(shards)
+    return {"names": sorted(te_norms), "own": sorted(te_norms.values()), "before": before,
+            "after": {g: str(engine.stored_dtype(g)) for g in te_norms},
+            "adopted": all(held[g][1] is engine.params[own] and held[g][1].untyped_storage() is t.untyped_storage()
+                           for (g, t), own in zip(shards, te_norms.values()))}
+
+
+def test_a_te_trainers_norms_are_read_by_their_te_names_in_bf16():
+    """The names a Transformer Engine trainer gives its norms (fused into linear_qkv / linear_fc1 as
+    `layer_norm_weight`) reach the engine's fp32 norms: shared as the bf16 tensors they are (the engine refused a
+    dtype other than its own), while the dtype it stores its own copy in stays fp32."""
+    out = run_distributed(_te_named_norms, 1, timeout=120)[0]
+    assert any(n.endswith("linear_qkv.layer_norm_weight") for n in out["names"]), out["names"]
+    assert all(n.endswith("layernorm.weight") for n in out["own"]), out["own"]
+    assert set(out["before"].values()) == set(out["after"].values()) == {"torch.float32"}, out
+    assert out["adopted"], out

@@ -124,6 +124,7 @@ class NativeEngine:
         state = self.model.state_dict(keep_vars=True)
         self.params = {g: state[g] for g in names}
         self._dtypes = {g: p.dtype for g, p in self.params.items()}  # kept while a parameter reads a trainer's
+        self._by_sources = None  # own name by HF sources, for a Transformer Engine trainer's names (`_own_name`)
         self._shared: dict[str, torch.Tensor] = {}
         """name -> the trainer's tensor the parameter reads (`share_shards`); empty: the engine's own copy."""
         self._aliased: set[str] = set()
@@ -198,7 +199,8 @@ class NativeEngine:
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype this engine stores a trainer's megatron tensor in (global name, either spec) in a copy of its
         own: the local spec's norms fp32, the rest the engine's dtype (a Transformer Engine trainer holds its norms in
-        the model's dtype); a parameter that reads the trainer's tensor itself has the trainer's."""
+        the model's dtype). So even while a parameter reads the trainer's tensor itself (`share_shards`), in the
+        trainer's dtype: what another stage's engine, which copies it, stores."""
         return self._dtypes[self._own_name(name)]
 
     @torch.no_grad()
@@ -296,8 +298,9 @@ class NativeEngine:
         """This engine's (local layer spec) name of a trainer's global megatron name (either spec)."""
         if name in self.params:
             return name
-        by_sources = {hc.hf_sources(g, self.spec): g for g in self.params}
-        return by_sources[hc.hf_sources(name, dataclasses.replace(self.spec, layer_spec="te"))]
+        if self._by_sources is None:
+            self._by_sources = {hc.hf_sources(g, self.spec): g for g in self.params}
+        return self._by_sources[hc.hf_sources(name, dataclasses.replace(self.spec, layer_spec="te"))]
 
     @torch.no_grad()
     def _copy_shard(self, own: str, shard: torch.Tensor) -> None:
