@@ -240,3 +240,29 @@ def test_preference_pairs_are_ordered_by_the_rule():
         numbers_only += p.chosen_score == 1.0 and 0.1 <= p.rejected_score <= 0.3
     assert numbers_only > 100  # right vs wrong number pairs: what teaches the sum
     assert make_pairs(rows, tok, 10, 6, seed=3) == pairs[:10]
+
+
+def _pp3_bf16_export(folder):
+    """A local-spec bf16 reward model at PP 3 written as HF: the middle stage (its first parameter an fp32 norm)
+    receives the score head from the last stage."""
+    from hybridrl.models.critic import critic_from_hf, reward_model_hf_stream
+    from hybridrl.models.hf_checkpoint import unwrap_model
+
+    groups = reinit_parallel(1, 3)
+    model, spec, _ = critic_from_hf(folder, groups, "bfloat16")
+    first = str(next(unwrap_model(model).parameters()).dtype)
+    head = unwrap_model(model).output_layer.value_head.weight.detach().clone() if groups.is_last_stage else None
+    score = dict(reward_model_hf_stream(model, spec, groups))["score.weight"]
+    return {"first": first, "score": score, "head": head}
+
+
+def test_a_bf16_reward_model_at_pp3_exports_its_head(tmp_path):
+    """Every stage gets the last stage's bf16 score head; the middle one posted an fp32 buffer before (its first
+    parameter is a norm the local spec keeps in fp32), which the bf16 broadcast did not fill."""
+    folder = random_hf_model_folder(str(tmp_path / "m"), "qwen2", num_hidden_layers=3)
+    parts = run_distributed(_pp3_bf16_export, 3, folder, timeout=180)
+    assert parts[1]["first"] == "torch.float32", parts[1]["first"]  # the case: a stage that starts with a norm
+    head = parts[2]["head"]
+    assert head.dtype == torch.bfloat16
+    for part in parts:
+        assert part["score"].dtype == torch.bfloat16 and torch.equal(part["score"], head), part["score"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hybridrl.models.gpt import GPTSpec, build_gpt, for_this_machine
 from hybridrl.models.hf_checkpoint import (CheckpointMismatchError, SafetensorsReader, load_hf_into_mcore,
-                                           mcore_to_hf_stream, unwrap_model)
+                                           mcore_to_hf_stream, sample_weight, unwrap_model)
 from hybridrl.models.hf_config import as_config_dict, check_parallel_layout, spec_from_hf_config
 
 # reward-model head names -> (weight, bias or None), in order of preference
@@ -147,7 +147,6 @@ def reward_model_hf_stream(model, spec: GPTSpec, groups):
     """
     yield from mcore_to_hf_stream(model, spec, groups, head="none")
     inner = unwrap_model(model)
-    param = next(inner.parameters())
     if groups.is_last_stage:
         head = inner.output_layer.value_head
         if torch.count_nonzero(head.bias.detach()) > 0:
@@ -155,7 +154,9 @@ def reward_model_hf_stream(model, spec: GPTSpec, groups):
                              "score.weight; freeze it at zero while training")
         weight = head.weight.detach().clone()
     else:
-        weight = torch.empty(1, spec.hidden_size, dtype=param.dtype, device=param.device)
+        # the head's dtype (the model's), not a first parameter's: a middle stage of a local-spec bf16 model starts
+        # with an fp32 norm
+        weight = torch.empty(1, spec.hidden_size, dtype=inner.config.params_dtype, device=sample_weight(model).device)
     if groups.pp > 1:
         dist.broadcast(weight, group=groups.pp_group, group_src=groups.pp - 1)
     yield "score.weight", weight
