@@ -205,11 +205,16 @@ def test_a_weight_dtype_other_than_the_engines_is_refused_at_the_first_bucket(mo
     engine = vllm_adapter.VLLMEngine(llm=llm)
     with pytest.raises(ConfigError, match=r"sends float32 .*holding bfloat16 \(rollout.dtype\).*"
                                           r"rollout.dtype=float32 or model.params_dtype=bfloat16"):
-        engine.load_weights([("model.norm.weight", torch.ones(2))], "fingerprint")
+        engine.load_weights([("model.norm.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2, 2))],
+                            "fingerprint")
     assert llm.calls == []  # refused before anything reached vLLM
-    engine.load_weights([("model.norm.weight", torch.ones(2, dtype=torch.bfloat16))], "fingerprint")
-    engine.load_weights([("model.norm.weight", torch.ones(2))], "off")
-    assert [c for c in llm.calls if c[0] == "rpc"] == [("rpc", torch.bfloat16), ("rpc", torch.float32)]
+    engine.load_weights([("lm_head.weight", torch.ones(2, 2, dtype=torch.bfloat16))], "fingerprint")
+    engine.load_weights([("lm_head.weight", torch.ones(2, 2))], "off")
+    # a bf16 model of the local spec keeps its norms in fp32: they pass, and are checked as vLLM stores them
+    engine.load_weights([("model.norm.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2, 2, dtype=torch.bfloat16))],
+                        "fingerprint")
+    assert [c for c in llm.calls if c[0] == "rpc"] == [("rpc", torch.bfloat16), ("rpc", torch.float32),
+                                                       ("rpc", torch.float32)]
 
 
 def test_rollout_dtype_is_one_vllm_runs():
@@ -263,7 +268,7 @@ def test_worker_reads_back_its_parameters_not_what_arrived():
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
     bucket = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.arange(12.0).reshape(3, 4))]
     got = vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "fingerprint")
-    assert got["model.norm.weight"].region is None
+    assert got["model.norm.weight"].region is None and got["model.norm.weight"].dtype == torch.float32
     assert got["model.norm.weight"].digest == weight_fingerprint(torch.arange(4.0))
     assert got["lm_head.weight"].region == (0, 0, 3)  # vocab rows of this rank, padding excluded
     assert got["lm_head.weight"].digest != weight_fingerprint(bucket[1][1])  # what it stored, not what came

@@ -125,7 +125,8 @@ def load_weights_on_worker(worker, weights, spec: GPTSpec, tp: int, tp_rank: int
     stored = [stored_slice(name, params, spec, tp, tp_rank, experts) for name, _ in weights]
     digests = weight_digests([view.reshape(-1) if tensor.dim() == 1 else view
                               for (view, _), (_, tensor) in zip(stored, weights)], verify)
-    return {name: Stored(region, digest) for (name, _), (_, region), digest in zip(weights, stored, digests)}
+    return {name: Stored(region, digest, view.dtype)  # the dtype it stores: a local-spec trainer's fp32 norms are bf16
+            for (name, _), (view, region), digest in zip(weights, stored, digests)}
 
 
 def process_weights_on_worker(worker) -> None:
@@ -284,7 +285,9 @@ class VLLMEngine:
                            {"rollout/generated_tokens": sum(len(t) for t in tokens)})
 
     def _check_dtype(self, weights: list, verify: str) -> None:
-        sent = {t.dtype for _, t in weights}
+        """The model's dtype (its weight matrices') must be the engine's; a vector may differ (the local spec keeps
+        its norms in fp32 in a bf16 model): vLLM casts it, and it is checked as stored (`Stored.dtype`)."""
+        sent = {t.dtype for _, t in weights if t.dim() >= 2}
         if verify == "off" or self.dtype is None or sent <= {self.dtype}:
             return
         name = {v: k for k, v in DTYPES.items()}
