@@ -53,7 +53,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def _is_qkv(global_name: str) -> bool:
-    return "linear_qkv" in global_name
+    """The fused QKV weight or bias (not TE's `linear_qkv.layer_norm_weight`, which is a norm)."""
+    return global_name.endswith(("linear_qkv.weight", "linear_qkv.bias"))
 
 
 GATE_UP_HALVES_BYTES = 2 * 2**20
