@@ -94,7 +94,7 @@ def _estimators(tmp, before, layout, groups, tok, roles, extra=()):
 
     out = {}
     for name in (n for n in ADV_ESTIMATORS if n != "gae"):
-        gdpo = ["algorithm.gdpo_reward_keys=[copy]"] if name == "gdpo" else []  # one component: the score itself
+        gdpo = ["algorithm.gdpo_reward_keys=[copy]"] if name == "gdpo" else []  # one component (below)
         cfg = load_config(TINY, _overrides(tmp, BASE + SETTINGS["seq_mean_k1"] + [f"algorithm.adv_estimator={name}"]
                                            + gdpo + list(extra)))
         trainer = PPOTrainer(cfg, layout, groups, tok, dataclasses.replace(roles, critic=None), RewardManager(cfg.reward),
@@ -102,8 +102,8 @@ def _estimators(tmp, before, layout, groups, tok, roles, extra=()):
         batch, scores = {k: v.clone() for k, v in before[0].items()}, before[1].clone()
         batch["baseline_scores"] = torch.zeros_like(scores)  # ReMax's greedy scores
         batch["sum_pi_squared"] = torch.full_like(batch["old_log_probs"], 0.25)  # the optimal token baselines'
-        batch["reward_component/copy"] = scores.clone()
         rows = torch.arange(scores.shape[0], dtype=batch["old_log_probs"].dtype)[:, None] + 1
+        batch["reward_component/copy"] = scores + rows[:, 0]  # GDPO's component: untied within every group
         batch["ref_log_probs"] = batch["old_log_probs"] - REF_SHIFT * rows
         trainer.compute_advantages(batch, scores)
         out[name] = (batch["advantages"], batch["response_mask"])
@@ -200,6 +200,8 @@ def test_every_estimator_sees_the_rejected_mask(runs, estimator):
     torch.testing.assert_close(mask, _odd_rows_zeroed(before))
     assert (advantages[1::2] == 0).all()
     assert (advantages * (1 - mask) == 0).all()
+    if estimator == "gdpo":  # its component is untied: a kept row learns, so the zeros above are the mask's
+        assert (advantages[0::2] != 0).any(-1).all(), advantages[0::2]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

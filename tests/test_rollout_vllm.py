@@ -255,7 +255,8 @@ def test_worker_reads_back_its_parameters_not_what_arrived():
 
     spec = GPTSpec(num_layers=1, hidden_size=4, num_attention_heads=2, num_key_value_heads=2,
                    intermediate_size=6, vocab_size=3, tie_word_embeddings=False)
-    params = {"model.norm.weight": torch.zeros(4), "lm_head.weight": torch.zeros(64, 4)}
+    # vLLM holds the norm in bf16 (a local-spec trainer sends it in fp32): the read-back says so
+    params = {"model.norm.weight": torch.zeros(4, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(64, 4)}
 
     def load_weights(weights):  # stores the norm, and the head's rows one too low (a broken loader)
         for name, t in weights:
@@ -268,12 +269,12 @@ def test_worker_reads_back_its_parameters_not_what_arrived():
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
     bucket = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.arange(12.0).reshape(3, 4))]
     got = vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "fingerprint")
-    assert got["model.norm.weight"].region is None and got["model.norm.weight"].dtype == torch.float32
-    assert got["model.norm.weight"].digest == weight_fingerprint(torch.arange(4.0))
+    assert got["model.norm.weight"].region is None and got["model.norm.weight"].dtype == torch.bfloat16
+    assert got["model.norm.weight"].digest == weight_fingerprint(torch.arange(4.0).bfloat16())
     assert got["lm_head.weight"].region == (0, 0, 3)  # vocab rows of this rank, padding excluded
     assert got["lm_head.weight"].digest != weight_fingerprint(bucket[1][1])  # what it stored, not what came
     exact = vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "exact")
-    assert exact["model.norm.weight"].digest == weight_checksum(torch.arange(4.0))
+    assert exact["model.norm.weight"].digest == weight_checksum(torch.arange(4.0).bfloat16())
     assert vllm_adapter.load_weights_on_worker(worker, bucket, spec, 1, 0, "off") == {}
 
 
