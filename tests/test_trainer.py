@@ -155,9 +155,10 @@ def test_validation_with_an_empty_shard_under_a_wider_rollout_tp(tmp_path):
 JUDGE = """import json, os, random
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    score = random.random()  # a judge that never repeats itself
     with open({log!r}, "a") as f:
-        f.write(json.dumps([os.getpid(), solution_str]) + "\\n")
-    return random.random()  # a judge that never repeats itself
+        f.write(json.dumps([os.getpid(), solution_str, score]) + "\\n")
+    return score
 """
 
 
@@ -172,7 +173,9 @@ def test_a_reward_is_computed_once_per_row_at_tp2(tmp_path):
         "parallel.tensor_model_parallel_size=2", "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
         f"reward.custom_function.path={reward}"]))
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(calls) == 4 * 2 and len({pid for pid, _ in calls}) == 1, calls  # 4 prompts x rollout.n 2
+    assert len(calls) == 4 * 2 and len({pid for pid, _, _ in calls}) == 1, calls  # 4 prompts x rollout.n 2
+    logged = read_scalars(tmp_path)["critic/score/mean"][1]
+    assert logged == pytest.approx(sum(score for _, _, score in calls) / len(calls), rel=1e-5), (logged, calls)
 
 
 def _check_logged_generations(tmp_path, n):
