@@ -1,6 +1,7 @@
 """trainer.logger=[...,wandb]: a real offline W&B run whose files hold every metric and the resolved config,
 and one `error:` line when the package is missing."""
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -34,9 +35,29 @@ def test_wandb_offline_run_holds_every_metric_and_the_config(tmp_path):
     # verl's trainer.log_val_generations: a table of (step, input_i, output_i, score_i), a row per validation
     row = history[3]
     assert (row["val/generations/_type"], row["val/generations/nrows"], row["val/generations/ncols"]) == ("table-file", 1, 7)
+    with open(os.path.join(os.path.dirname(runs[0]), "files", row["val/generations/path"])) as f:
+        table = json.load(f)
+    assert table["columns"] == ["step", "input_1", "output_1", "score_1", "input_2", "output_2", "score_2"], table
+    assert table["data"] == [[3] + _tensorboard_samples(tmp_path, 3)], table  # the same samples TensorBoard holds
     config = wandb_files.config(runs[0])  # the resolved config, override included
     assert config["actor"]["optim"]["lr"] == 2e-3 and config["trainer"]["experiment_name"] == "exp"
     assert config["rollout"]["n"] == 2 and config["data"]["max_response_length"] == 4
+
+
+def _tensorboard_samples(tmp_path, step: int) -> list:
+    """[input_1, output_1, score_1, ...] of the validation generations TensorBoard's text summary shows at `step`."""
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (path,) = glob.glob(os.path.join(str(tmp_path), "tb", "**", "events.out.tfevents.*"), recursive=True)
+    acc = EventAccumulator(path, size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = [e for e in acc.Tensors("val/generations/text_summary") if e.step == step]
+    text = event.tensor_proto.string_val[0].decode()
+    found = re.findall(r"\*\*Input:\*\* (.*)\n\n\*\*Output:\*\* (.*)\n\n\*\*Score:\*\* (.*)", text)
+    assert found, text
+    return [x for inp, out, score in found for x in (inp, out, float(score))]
 
 
 def test_wandb_mode_follows_the_login(tmp_path, monkeypatch):
