@@ -220,7 +220,7 @@ def _train_recording_handoffs(config_path, overrides):
 
     reports, handoff, digests = [], reshard.update_engine_weights, Counter()
     reshard.update_engine_weights = lambda *a, **kw: reports.append(handoff(*a, **kw)) or reports[-1]
-    # the trainer's digests: of what it sends (reshard) and of the slices it checks the read-back against (readback)
+    # the trainer's digests: of the slices it checks the read-back against (readback, as each engine stores them)
     def counting(real, side):
         def digests_of(tensors, mode):
             tensors = list(tensors)
@@ -228,7 +228,7 @@ def _train_recording_handoffs(config_path, overrides):
             return real(tensors, mode)
         return digests_of
 
-    for side, module in (("trainer", reshard), ("trainer", readback), ("engine", native)):
+    for side, module in (("trainer", readback), ("engine", native)):
         module.weight_digests = counting(module.weight_digests, side)
     _train(config_path, overrides)
     return [(r.bucket_bytes, r.verify, r.verified, r.num_tensors) for r in reports], dict(digests)

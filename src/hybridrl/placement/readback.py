@@ -13,7 +13,7 @@ import torch
 
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.placement.fingerprint import weight_digests
+from hybridrl.placement.fingerprint import hf_region, weight_digests
 
 
 class HandoffError(RuntimeError):
@@ -74,6 +74,12 @@ def as_stored(t: torch.Tensor, dtype) -> torch.Tensor:
     """What an engine that stores dtype `dtype` (None: the one sent) holds of t: the same rounding as its
     copy (a converted copy only where the dtypes differ)."""
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def digests_as_stored(pairs, received: dict, verify: str) -> list:
+    """The digest of each (hf_name, tensor) as the engine that reported `received` holds it: the slice it stores
+    (`Stored.region`) in the dtype it stores it in (`Stored.dtype`); what its read-back must equal."""
+    return weight_digests([as_stored(hf_region(t, received[n].region), received[n].dtype) for n, t in pairs], verify)
 
 
 def shard_hf_parts(batch, spec: GPTSpec, tp: int, tp_rank: int) -> list:

@@ -28,10 +28,10 @@ from hybridrl.models import hf_convert as hc
 from hybridrl.models.gpt import GPTSpec
 from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight, weight_state
 from hybridrl.placement import engine_layout as el
-from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints, hf_region, weight_digests
+from hybridrl.placement.fingerprint import FOLD_WORDS, VERIFY_MODES, Fingerprints
 from hybridrl.placement.handoff_report import HandoffReport
-from hybridrl.placement.readback import (FirstFault, HandoffError, as_stored, check_digests, require_reported,
-                                         shard_hf_parts, stored_shard_error)
+from hybridrl.placement.readback import (FirstFault, HandoffError, as_stored, check_digests, digests_as_stored,
+                                         require_reported, shard_hf_parts, stored_shard_error)
 from hybridrl.placement.weight_sharing import (share_all, share_stage, shares_stage, shares_weights, source_tensor,
                                                takes_shards)
 from hybridrl.placement.live_memory import LiveTensorMeter  # noqa: F401 (imported from here by callers)
@@ -265,9 +265,7 @@ def _send_buckets(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verif
             names = [n for n, _ in bucket]
             with fault.noted():
                 require_reported(names, received)
-                ours = weight_digests([as_stored(hf_region(t, received[n].region), received[n].dtype)
-                                       for n, t in bucket], verify)
-                check_digests(names, ours, received, verify)
+                check_digests(names, digests_as_stored(bucket, received, verify), received, verify)
         n_tensors, n_buckets = n_tensors + len(bucket), n_buckets + 1
         total += sum(t.nbytes for _, t in bucket)
         owners = {to_mcore[n][0] for n, _ in bucket}
@@ -322,12 +320,12 @@ def _send_layout(engine, model, spec: GPTSpec, groups, bucket_bytes: int, verify
     if share:  # after layout_targets: it wakes the engine, whose stash a share would drop
         with fault.noted():
             share_stage(engine, stage, local, verifying)
-    scratch = el.Scratch(dtype, sample_weight(model).device)
+    sample = sample_weight(model)
+    scratch = el.Scratch(dtype, sample.device)
     n_tensors, n_buckets, total, max_bucket = 0, 0, 0, 0
     device = scratch.device
     overlap = device.type in OVERLAP_ON
-    model_dtype = sample_weight(model).dtype
-    wire = {g: hc.held_dtype(g, spec, model_dtype) for g in names}  # how every training rank holds g: how it moves
+    wire = {g: hc.held_dtype(g, spec, sample.dtype) for g in names}  # how every training rank holds g: how it moves
     sent = _source_digests(names, local, spec, groups, rt, device, {g: engine.stored_dtype(g) for g in names}) \
         if verifying else None
     summing = el.start_digest_sum(sent, groups) if verifying else None  # `sent` becomes the replica's sums

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.gpt import GPTSpec
-from hybridrl.placement.fingerprint import hf_region, weight_digests
+from hybridrl.placement.fingerprint import weight_digests
 from hybridrl.models import hf_convert as hc
 from hybridrl.models.hf_checkpoint import global_weight_state, sample_weight
-from hybridrl.placement.readback import HandoffError, as_stored, shard_hf_parts, stored_shard_error
+from hybridrl.placement.readback import HandoffError, digests_as_stored, shard_hf_parts, stored_shard_error
 from hybridrl.placement.reshard import iter_hf_weights
 
 SENDER = 0
@@ -363,8 +363,7 @@ class WeightReceiver:
         errors = [f"engine did not report tensor {name!r}: it was sent but not stored"
                   for name, _ in bucket if name not in stored]
         reported = [(name, t) for name, t in bucket if name in stored]
-        ours = weight_digests([as_stored(hf_region(t, stored[name].region), stored[name].dtype)
-                               for name, t in reported], self.verify)  # in the dtype the engine stores
+        ours = digests_as_stored(reported, stored, self.verify)
         return errors + [f"engine's stored copy of {name!r} (slice {stored[name].region}) differs from what it received"
                          for (name, _), digest in zip(reported, ours) if not _same(stored[name].digest, digest)]
 
